@@ -1,0 +1,87 @@
+# membench: config -> one job per (method, model, batch, seed, kind) -> result JSON
+# -> results/summary.csv + results/curves.csv -> results/figures/ -> paper/results.md
+#
+#   snakemake --cores all                          # quick profile (CPU, minutes)
+#   snakemake --cores all --config profile=full --resources gpu=1   # papers' sizes on a GPU
+#   snakemake -n                                   # list the jobs without running them
+import sys
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+sys.path.insert(0, workflow.basedir)
+from bench.plan import ConfigError, plan, validate_schema
+from bench.plots import FIGURES
+
+configfile: "config/config.yaml"
+try:
+    validate_schema(config)  # a short message naming the bad key
+    JOBS = plan(config)  # names of methods, models, profiles, hyperparameters
+except ConfigError as e:
+    raise WorkflowError(f"bad config: {e}") from None
+validate(config, "config/schema.yaml")  # Snakemake's check; fills the schema's defaults
+
+PYTHON = sys.executable
+CUDA = config["profiles"][config["profile"]]["device"].startswith("cuda")
+
+
+def job_args(wildcards, output):
+    return " ".join(JOBS[output[0]])
+
+
+def job_threads(wildcards):
+    # Timed jobs run alone, on every core: nothing else competes with the clock.
+    return workflow.cores if wildcards.kind == "throughput" else 1
+
+
+rule all:
+    default_target: True
+    input:
+        list(JOBS),  # named here too, so a deleted result is run again
+        "results/summary.csv",
+        expand("results/figures/{name}.{ext}", name=FIGURES, ext=["png", "pdf"]),
+        "paper/results.md",
+
+
+rule run_job:
+    message: "{wildcards.kind}: {wildcards.method} on {wildcards.model} ({wildcards.cell})"
+    output: "results/runs/{profile}/{kind}/{model}/{method}/{cell}.json"
+    log: "results/logs/{profile}/{kind}/{model}/{method}/{cell}.log"
+    params: args=job_args
+    threads: job_threads
+    resources: gpu=1 if CUDA else 0
+    shell: "{PYTHON} -m bench {params.args} --threads {threads} --out {output} 2> {log}"
+
+
+rule aggregate:
+    message: "collecting {} results".format(len(JOBS))
+    input: list(JOBS)
+    output:
+        summary="results/summary.csv",
+        curves="results/curves.csv",
+    run:
+        from bench.aggregate import aggregate, write_csv_atomic
+
+        summary, curves = aggregate(input)
+        write_csv_atomic(summary, output.summary)
+        write_csv_atomic(curves, output.curves)
+
+
+rule figures:
+    message: "drawing figures"
+    input:
+        summary="results/summary.csv",
+        curves="results/curves.csv",
+    output: expand("results/figures/{name}.{ext}", name=FIGURES, ext=["png", "pdf"])
+    log: "results/logs/figures.log"
+    shell: "{PYTHON} -m bench.plots --summary {input.summary} --curves {input.curves} --out results/figures 2> {log}"
+
+
+rule paper:
+    message: "writing paper/results.md"
+    input:
+        summary="results/summary.csv",
+        figures=expand("results/figures/{name}.png", name=FIGURES),
+    output: "paper/results.md"
+    shell: "{PYTHON} -m bench.paper --summary {input.summary} --out {output}"

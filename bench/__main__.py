@@ -1,0 +1,88 @@
+"""Command line: run one job and write its result file.
+
+    python -m bench --kind memory --method grad_accum --model gpt2-tiny \\
+        --batch-size 8 --seq-len 128 --out results/runs/example.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bench import results
+from bench.method import available
+from bench.models import MODELS
+from bench.data import TASKS
+from bench.runner import DTYPES, KINDS, Job, run
+
+
+def parse_hparam(text: str):
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Run one membench job (one method, one model, one kind of measurement) "
+                    "and write one JSON result with its provenance. A method that fails, runs "
+                    "out of memory or diverges still writes a result, with that status; the "
+                    "exit code is 0 so a workflow goes on.",
+        epilog="kinds: memory = peak bytes by category over a warm-up and a measured step; "
+               "throughput = median step time over timed steps after warm-up; "
+               "convergence = loss per step. Methods: " + ", ".join(available()) +
+               " (stack with '+', e.g. checkpointing+grad_accum).")
+    p.add_argument("--kind", required=True, choices=KINDS)
+    p.add_argument("--method", required=True, help="method module name or a+b stack")
+    p.add_argument("--model", required=True, choices=sorted(MODELS), metavar="MODEL",
+                   help="one of: " + ", ".join(MODELS))
+    p.add_argument("--batch-size", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--out", required=True, help="result JSON path (written atomically)")
+    p.add_argument("--seed", type=int, default=0, help="seeds model init and data (default 0)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype")
+    p.add_argument("--task", default="markov", choices=sorted(TASKS), help="training data (default markov)")
+    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--dropout", type=float, default=None, help="override the model's dropout")
+    p.add_argument("--hparam", type=parse_hparam, action="append", default=[], metavar="KEY=VALUE",
+                   help="override a method hyperparameter (JSON value), repeatable")
+    p.add_argument("--capacity-gb", type=float, default=None,
+                   help="memory capacity in GiB: over it the job records status oom")
+    p.add_argument("--simulate", action="store_true",
+                   help="memory kind: run the step on fake tensors (no memory is allocated; "
+                        "tier 'simulated'), so paper-sized models fit on a laptop")
+    p.add_argument("--steps", type=int, default=100, help="convergence: steps; throughput: timed steps")
+    p.add_argument("--warmup-steps", type=int, default=2, help="throughput: untimed steps first")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    method = args.method
+    unknown = [m for m in method.split("+") if m not in available()]
+    if unknown:
+        parser().error(f"unknown method {unknown[0]!r}; available: {', '.join(available())}")
+    job = Job(kind=args.kind, method=method, model=args.model, batch_size=args.batch_size,
+              seq_len=args.seq_len, seed=args.seed, device=args.device, dtype=args.dtype,
+              task=args.task, attn_implementation=args.attn_implementation, dropout=args.dropout,
+              hparams=dict(args.hparam), capacity_gb=args.capacity_gb, steps=args.steps,
+              warmup_steps=args.warmup_steps, threads=args.threads, simulate=args.simulate)
+    print(f"membench: {job.kind} {job.method} on {job.model} (batch {job.batch_size}, "
+          f"seq {job.seq_len}, seed {job.seed}, {job.device})", file=sys.stderr, flush=True)
+    record = run(job)
+    results.write_atomic(args.out, record)
+    print(f"membench: status {record['status']}"
+          + (f" ({record['message']})" if record["message"] else "")
+          + f", {record['wall_time_s']:.1f} s -> {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

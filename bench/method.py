@@ -1,0 +1,150 @@
+"""The method contract: what a module in `methods/` provides, and how methods stack.
+
+A method module defines one subclass of `Method` named `METHOD`. It overrides only what
+it changes; the defaults are plain AdamW training with optional gradient accumulation:
+
+- `defaults`: its hyperparameters (the paper's values). Config can override any of them
+  and nothing else: an unknown key is an error naming the known ones.
+- `transform_model(model)`: change the model (swap layers, wrap blocks). Default: none.
+- `make_optimizer(model)`: the optimizer. Default: `torch.optim.AdamW`.
+- `train_step(model, optimizer, batch)`: one optimizer step over `micro_batches`
+  micro-batches; returns the mean loss as a detached tensor. Override to own the step
+  (fold gradients during backward, run a planned graph).
+- `state_tensors(optimizer)`: the persistent optimizer state, counted as `optimizer`
+  memory. Default: every tensor in `optimizer.state`.
+- `incompatible`: names of methods it cannot be stacked with.
+
+Methods stack with `+` (`checkpointing+grad_accum`): model transforms apply left to
+right; at most one member may provide the optimizer and at most one the step; their
+hyperparameters merge and must not disagree.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from bench.plan import available_methods as available
+
+BASE_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, micro_batches=1)
+
+
+class MethodError(ValueError):
+    """A method cannot be built as asked (unknown name or option, bad stack)."""
+
+
+class Method:
+    paper: str = ""
+    defaults: dict = {}
+    incompatible: frozenset = frozenset()
+
+    def __init__(self):
+        self.name = type(self).__module__.rsplit(".", 1)[-1]
+        self.hp = {**BASE_DEFAULTS, **self.defaults}
+
+    # -- what a method may override ---------------------------------------------
+    def transform_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        hp = self.hp
+        return torch.optim.AdamW(model.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]),
+                                 eps=hp["eps"], weight_decay=hp["weight_decay"])
+
+    def train_step(self, model, optimizer, batch: dict) -> torch.Tensor:
+        n = self.hp["micro_batches"]
+        total = None
+        for micro in split_batch(batch, n):
+            loss = lm_loss(model, micro) / n
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    def state_tensors(self, optimizer) -> list[torch.Tensor]:
+        return [v for state in optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor)]
+
+
+def lm_loss(model, batch: dict) -> torch.Tensor:
+    """Mean cross-entropy over the labelled positions, in the logits' precision (half
+    precisions are upcast to float32, as Hugging Face does)."""
+    logits = model(input_ids=batch["input_ids"]).logits
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                             ignore_index=-100)
+
+
+def split_batch(batch: dict, n: int) -> list[dict]:
+    """Split a batch into `n` equal micro-batches along the first dimension."""
+    size = len(next(iter(batch.values())))
+    if n < 1 or size % n:
+        raise MethodError(f"batch size {size} cannot be split into {n} equal micro-batches")
+    chunks = {k: v.chunk(n) for k, v in batch.items()}
+    return [{k: chunks[k][i] for k in batch} for i in range(n)]
+
+
+def _overrides(member: Method, name: str) -> bool:
+    return getattr(type(member), name) is not getattr(Method, name)
+
+
+class Stack(Method):
+    """Several methods applied together; see the module docstring."""
+
+    def __init__(self, members: list[Method]):
+        self.members = members
+        self.name = "+".join(m.name for m in members)
+        names = [m.name for m in members]
+        for m in members:
+            clash = m.incompatible.intersection(names)
+            if clash:
+                raise MethodError(f"{m.name} cannot be stacked with {', '.join(sorted(clash))}")
+        self._owner = {}
+        for part in ("make_optimizer", "train_step", "state_tensors"):
+            owners = [m for m in members if _overrides(m, part)]
+            if len(owners) > 1:
+                raise MethodError(f"{' and '.join(o.name for o in owners)} both provide {part}; "
+                                  f"they cannot be stacked")
+            self._owner[part] = owners[0] if owners else members[0]
+        hp, set_by = dict(BASE_DEFAULTS), {}
+        for m in members:
+            for key, value in m.defaults.items():
+                if key in set_by and hp[key] != value:
+                    raise MethodError(f"stack {self.name}: {set_by[key]} and {m.name} disagree on {key}")
+                hp[key], set_by[key] = value, m.name
+        self.hp = hp
+        for m in members:
+            m.hp = hp  # one shared dict: an override reaches every member
+
+    def transform_model(self, model):
+        for m in self.members:
+            model = m.transform_model(model)
+        return model
+
+    def make_optimizer(self, model):
+        return self._owner["make_optimizer"].make_optimizer(model)
+
+    def train_step(self, model, optimizer, batch):
+        return self._owner["train_step"].train_step(model, optimizer, batch)
+
+    def state_tensors(self, optimizer):
+        return self._owner["state_tensors"].state_tensors(optimizer)
+
+
+def load(spec: str, overrides: dict | None = None) -> Method:
+    """Build the method (or `a+b` stack) named `spec`, with hyperparameter overrides."""
+    known = available()
+    members = []
+    for name in spec.split("+"):
+        if name not in known:
+            raise MethodError(f"unknown method {name!r}; available: {', '.join(known)}")
+        module = importlib.import_module(f"methods.{name}")
+        members.append(module.METHOD())
+    method = members[0] if len(members) == 1 else Stack(members)
+    for key, value in (overrides or {}).items():
+        if key not in method.hp:
+            raise MethodError(f"{spec} has no option {key!r}; options: {', '.join(sorted(method.hp))}")
+        method.hp[key] = value
+    return method

@@ -1,0 +1,246 @@
+"""The results report: paper/results.md, generated from summary.csv only.
+
+    python -m bench.paper --summary results/summary.csv --out paper/results.md
+
+Provenance first, then the figures (linked relative to the report), then one table per
+kind of measurement and the list of failed jobs. The numbers come from the same table
+functions as the figures (`bench.plots`), so the two never disagree. The file is written
+atomically (temporary file, then `os.replace`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from bench.plots import (BASELINE, CATEGORIES, FIGURES, convergence_table, memory_table,
+                         method_order, model_order, read_summary, throughput_table)
+
+FIGURE_CAPTIONS = {
+    "overview": f"Peak memory vs throughput, both relative to {BASELINE}, and the final-loss gap.",
+    "memory_breakdown": "Peak memory by category, per model and batch size.",
+    "throughput_relative": f"Tokens/s relative to {BASELINE}, with the step-time IQR.",
+    "convergence": "Training loss per optimizer step, with the loss floor where known.",
+}
+
+
+# ----------------------------------------------------------------------------- markdown
+
+
+def cell(value) -> str:
+    """One table cell: missing -> '–', pipes escaped, line breaks flattened."""
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return "–"
+    text = str(value).replace("\r", " ").replace("\n", " ").replace("|", "\\|")
+    return text.strip() or "–"
+
+
+def markdown_table(rows: list[list], header: list[str], align: str | None = None) -> str:
+    """A GitHub-flavoured Markdown table; `align` is one letter per column (l, r, c)."""
+    align = align or "l" * len(header)
+    rule = {"l": ":--", "r": "--:", "c": ":-:"}
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |",
+             "| " + " | ".join(rule[a] for a in align) + " |"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def num(value, fmt: str = ".1f") -> str | None:
+    return None if value is None or pd.isna(value) else format(value, fmt)
+
+
+def pct(value) -> str | None:
+    """A relative change in percent, signed: '-82.4%'."""
+    return None if value is None or pd.isna(value) else f"{value:+.1f}%"
+
+
+def integer(value) -> str | None:
+    return None if value is None or pd.isna(value) else str(int(value))
+
+
+def _ordered(table: pd.DataFrame, summary: pd.DataFrame, first: list[str]) -> pd.DataFrame:
+    """Sort by `first` (models by family and size), then the method order."""
+    if table.empty:
+        return table
+    models = model_order(summary, table["model"])
+    methods = method_order(table["method"])
+    keyed = table.assign(_model=table["model"].map(models.index),
+                         _method=table["method"].map(methods.index))
+    by = [("_model" if c == "model" else c) for c in first] + ["_method"]
+    return keyed.sort_values(by, kind="stable").drop(columns=["_model", "_method"])
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def provenance(summary: pd.DataFrame, source: str) -> str:
+    def values(col):
+        found = sorted({str(v) for v in summary[col].dropna() if str(v).strip()})
+        return ", ".join(f"`{v}`" for v in found) or "unknown"
+
+    dates = pd.to_datetime(summary["date"], utc=True, errors="coerce", format="ISO8601").dropna()
+    span = (f"{dates.min():%Y-%m-%d %H:%M} to {dates.max():%Y-%m-%d %H:%M} UTC"
+            if len(dates) else "unknown")
+    not_ok = summary[summary["status"] != "ok"]
+    by_status = ", ".join(f"{n} {s}" for s, n in not_ok["status"].value_counts().items())
+    by_kind = ", ".join(f"{n} {k}" for k, n in summary["kind"].value_counts().sort_index().items())
+    devices = sorted({f"{d} ({n})" if isinstance(n, str) and n else str(d)
+                      for d, n in zip(summary["device"], summary["device_name"])})
+    return "\n".join([
+        f"- source: `{source}`",
+        f"- commit(s): {values('commit')}",
+        f"- torch version(s): {values('torch_version')}",
+        f"- device(s): {', '.join(devices) or 'unknown'}",
+        f"- memory tier(s): {values('memory_tier')}",
+        f"- dates: {span}",
+        f"- jobs: {len(summary)}" + (f" ({by_kind})" if by_kind else ""),
+        f"- not ok: {len(not_ok)}" + (f" ({by_status})" if by_status else ""),
+    ])
+
+
+def figures_section(out: Path, figures: Path) -> str:
+    rel = Path(os.path.relpath(figures.resolve(), out.resolve().parent)).as_posix()
+    return "\n\n".join(f"![{name}]({rel}/{name}.png)\n\n"
+                       f"*{FIGURE_CAPTIONS.get(name, name)}* ([PDF]({rel}/{name}.pdf))"
+                       for name in FIGURES)
+
+
+MEMORY_HEADER = ["model", "batch", "seq", "device", "method", "micro-batches", "status",
+                 "peak MiB", f"change vs {BASELINE}"] + [f"{c} MiB" for c in CATEGORIES]
+
+
+def memory_section(summary: pd.DataFrame) -> str:
+    table = _ordered(memory_table(summary), summary, ["model", "batch_size", "seq_len", "device"])
+    if table.empty:
+        return "_No memory jobs._"
+    rows = []
+    for _, r in table.iterrows():
+        change = "baseline" if r["method"] == BASELINE else pct(r["pct_vs_baseline"])
+        rows.append([r["model"], integer(r["batch_size"]), integer(r["seq_len"]), r["device"],
+                     r["method"], integer(r["micro_batches"]), r["status"], num(r["peak_mib"]),
+                     change] + [num(r[f"{c}_mib"]) for c in CATEGORIES])
+    tiers = ", ".join(sorted(set(summary.loc[summary["kind"] == "memory", "memory_tier"]
+                                 .dropna()))) or "unknown"
+    return (f"Peak bytes of one training step, split by category (memory tier: {tiers}); "
+            f"1 MiB = 2^20 bytes. Change vs {BASELINE} = (peak - peak of {BASELINE}) / peak "
+            f"of {BASELINE}, with the same model, batch, sequence length and device.\n\n"
+            + markdown_table(rows, MEMORY_HEADER, "lrrllrlrr" + "r" * len(CATEGORIES)))
+
+
+THROUGHPUT_HEADER = ["model", "batch", "seq", "device", "method", "status", "tokens/s",
+                     f"ratio vs {BASELINE}", "step time median (ms)", "step time IQR q1–q3 (ms)"]
+
+
+def throughput_section(summary: pd.DataFrame) -> str:
+    table = _ordered(throughput_table(summary), summary,
+                     ["model", "batch_size", "seq_len", "device"])
+    if table.empty:
+        return "_No throughput jobs._"
+    rows = []
+    for _, r in table.iterrows():
+        iqr = (f"{r['step_q1_s'] * 1e3:.1f}–{r['step_q3_s'] * 1e3:.1f}"
+               if pd.notna(r["step_q1_s"]) and pd.notna(r["step_q3_s"]) else None)
+        ratio = num(r["ratio"], ".3f") if r["has_baseline"] else f"no ok {BASELINE}"
+        rows.append([r["model"], integer(r["batch_size"]), integer(r["seq_len"]), r["device"],
+                     r["method"], r["status"], num(r["tokens_per_s"], ",.0f"), ratio,
+                     num(r["step_median_s"] * 1e3), iqr])
+    return (f"Ratio vs {BASELINE} = tokens/s of the method / tokens/s of {BASELINE}, with the "
+            "same model, batch, sequence length and device (above 1: faster).\n\n"
+            + markdown_table(rows, THROUGHPUT_HEADER, "lrrlllrrrr"))
+
+
+CONVERGENCE_HEADER = ["task", "model", "method", "seeds ok", "status",
+                      "final loss (mean ± std)", "loss floor", "gap to floor",
+                      f"gap to {BASELINE}"]
+
+
+def convergence_section(summary: pd.DataFrame) -> str:
+    table = _ordered(convergence_table(summary), summary, ["task", "model"])
+    if table.empty:
+        return "_No convergence jobs._"
+    rows = []
+    for _, r in table.iterrows():
+        loss = num(r["final_loss_mean"], ".4f")
+        if loss is not None and pd.notna(r["final_loss_std"]):
+            loss += f" ± {r['final_loss_std']:.4f}"
+        floor = num(r["loss_floor"], ".4f") or "none known"
+        gap = "baseline" if r["method"] == BASELINE else num(r["gap_vs_baseline"], "+.4f")
+        rows.append([r["task"], r["model"], r["method"], f"{r['n_ok']}/{r['n_jobs']}",
+                     r["status"], loss, floor, num(r["gap_to_floor"], "+.4f"), gap])
+    return ("Final training loss in nats/token over the seeds that finished (± sample "
+            "standard deviation over seeds). The loss floor is the task's entropy rate where "
+            f"it is known; gap to floor = mean final loss - floor; gap to {BASELINE} = mean "
+            f"final loss - {BASELINE}'s.\n\n"
+            + markdown_table(rows, CONVERGENCE_HEADER, "lllrlrrrr"))
+
+
+FAILED_HEADER = ["kind", "method", "model", "task", "batch", "seed", "status", "message"]
+
+
+def failed_section(summary: pd.DataFrame) -> str:
+    bad = summary[summary["status"] != "ok"]
+    if bad.empty:
+        return "_Every job finished with status ok._"
+    bad = bad.sort_values(["kind", "model", "method", "task", "batch_size", "seed"],
+                          kind="stable")
+    rows = [[r["kind"], r["method"], r["model"], r["task"], integer(r["batch_size"]),
+             integer(r["seed"]), r["status"], r["message"]] for _, r in bad.iterrows()]
+    return markdown_table(rows, FAILED_HEADER, "llllrrll")
+
+
+def report(summary: pd.DataFrame, source: str, out: Path, figures: Path) -> str:
+    sections = [
+        "# membench results",
+        f"_Generated by `python -m bench.paper` from `{source}`; do not edit by hand: "
+        "rerun the workflow instead._",
+        "## Provenance", provenance(summary, source),
+        "## Figures", figures_section(out, figures),
+        "## Peak memory", memory_section(summary),
+        "## Throughput", throughput_section(summary),
+        "## Convergence", convergence_section(summary),
+        "## Failed jobs", failed_section(summary),
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+def write_atomic(text: str, path: Path) -> None:
+    """Write to a temporary file in the same folder, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.paper",
+        description="Write the Markdown results report from summary.csv: provenance, links "
+                    "to the figures, tables of peak memory, throughput and convergence "
+                    f"(each compared with {BASELINE}), and the list of failed jobs.")
+    p.add_argument("--summary", required=True, help="summary.csv from bench.aggregate")
+    p.add_argument("--out", required=True,
+                   help="report path, e.g. paper/results.md (written atomically)")
+    p.add_argument("--figures", default="results/figures",
+                   help="folder of the figures from bench.plots; linked relative to --out "
+                        "(default: results/figures)")
+    args = p.parse_args(argv)
+    summary = read_summary(args.summary)
+    out = Path(args.out)
+    write_atomic(report(summary, args.summary, out, Path(args.figures)), out)
+    print(f"paper: {out} ({len(summary)} jobs, {(summary['status'] != 'ok').sum()} not ok)",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

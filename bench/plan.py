@@ -1,0 +1,140 @@
+"""Config -> the list of jobs, after checking every name in it.
+
+The JSON schema (config/schema.yaml) checks shapes and types; this module checks what
+a schema cannot: that the profile, methods and models exist, that sequences fit the
+models, and that `method_params` name real hyperparameters (the only check that imports
+the method modules, and so torch, and only when overrides are given).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from bench.models import MODELS, max_positions
+
+REPO = Path(__file__).resolve().parent.parent
+METHODS_DIR = REPO / "methods"
+SCHEMA = REPO / "config" / "schema.yaml"
+KINDS = ("memory", "throughput", "convergence")
+
+
+class ConfigError(ValueError):
+    """The config asks for something that does not exist; the message names the key."""
+
+
+def available_methods() -> list[str]:
+    return sorted(p.stem for p in METHODS_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def validate_schema(config: dict) -> None:
+    """Check `config` against config/schema.yaml (fills defaults), naming the bad key."""
+    import jsonschema
+
+    schema = yaml.safe_load(SCHEMA.read_text())
+    errors = list(jsonschema.Draft202012Validator(schema).iter_errors(config))
+    if errors:
+        e = max(errors, key=lambda e: len(e.absolute_path))  # the deepest names the exact key
+        where = "/".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise ConfigError(f"config key {where}: {e.message}")
+
+
+def resolve_methods(entries: list[str], where: str) -> list[str]:
+    known = available_methods()
+    out: list[str] = []
+    for entry in entries:
+        names = known if entry == "all" else [entry]
+        for name in names:
+            for part in name.split("+"):
+                if part not in known:
+                    raise ConfigError(f"config key {where}: unknown method {part!r}; "
+                                      f"available: all, {', '.join(known)}")
+            if name not in out:
+                out.append(name)
+    return out
+
+
+def _check_models(models: list[str], where: str) -> None:
+    for m in models:
+        if m not in MODELS:
+            raise ConfigError(f"config key {where}: unknown model {m!r}; known: {', '.join(MODELS)}")
+
+
+def _check_method_params(params: dict) -> None:
+    if not params:
+        return
+    from bench.method import MethodError, load
+
+    for method, overrides in params.items():
+        resolve_methods([method], f"method_params/{method}")
+        try:
+            load(method, overrides)
+        except MethodError as e:
+            raise ConfigError(f"config key method_params/{method}: {e}") from None
+
+
+def plan(config: dict) -> dict[str, list[str]]:
+    """Every job of the selected profile: result path -> `python -m bench` arguments."""
+    name = config["profile"]
+    profiles = config["profiles"]
+    if name not in profiles:
+        raise ConfigError(f"config key profile: unknown profile {name!r}; defined: {', '.join(profiles)}")
+    prof = profiles[name]
+    methods = resolve_methods(prof["methods"], f"profiles/{name}/methods")
+    _check_method_params(config.get("method_params", {}))
+    jobs: dict[str, list[str]] = {}
+    for kind in KINDS:
+        section = prof.get(kind)
+        if not section:
+            continue
+        where = f"profiles/{name}/{kind}"
+        _check_models(section["models"], f"{where}/models")
+        for model in section["models"]:
+            if section["seq_len"] > max_positions(model):
+                raise ConfigError(f"config key {where}/seq_len: {section['seq_len']} exceeds "
+                                  f"{model}'s {max_positions(model)} positions")
+        for task in section.get("tasks", ["markov"]):
+            for model in section["models"]:
+                for method in methods:
+                    for batch in section["batch_sizes"]:
+                        for seed in section["seeds"]:
+                            path, args = _job(config, prof, name, kind, section, task, method,
+                                              model, batch, seed)
+                            jobs[path] = args
+    return jobs
+
+
+def _job(config, prof, profile, kind, section, task, method, model, batch, seed):
+    cell = f"{task}-bs{batch}-seq{section['seq_len']}-seed{seed}"
+    args = ["--kind", kind, "--method", method, "--model", model, "--batch-size", str(batch),
+            "--seq-len", str(section["seq_len"]), "--seed", str(seed), "--device", prof["device"],
+            "--dtype", prof.get("dtype", "float32"),
+            "--attn-implementation", prof.get("attn_implementation", "sdpa"), "--task", task]
+    if section.get("capacity_gb"):
+        args += ["--capacity-gb", str(section["capacity_gb"])]
+        cell += f"-cap{section['capacity_gb']}g"
+    if section.get("simulate"):
+        args += ["--simulate"]
+        cell += "-sim"
+    if kind == "throughput":
+        args += ["--steps", str(section["timed_steps"]), "--warmup-steps", str(section["warmup_steps"])]
+    if kind == "convergence":
+        args += ["--steps", str(section["steps"])]
+    for part in method.split("+"):
+        for key, value in config.get("method_params", {}).get(part, {}).items():
+            args += ["--hparam", f"{key}={_json(value)}"]
+    return f"results/runs/{profile}/{kind}/{model}/{method}/{cell}.json", args
+
+
+def _json(value) -> str:
+    import json
+
+    return json.dumps(value, separators=(",", ":"))
+
+
+def load(path: str | Path) -> dict:
+    """Read, schema-check and plan a config file (what the Snakefile does, for tests)."""
+    config = yaml.safe_load(Path(path).read_text())
+    validate_schema(config)
+    plan(config)
+    return config

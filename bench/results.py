@@ -1,0 +1,87 @@
+"""Result files: provenance and atomic writes.
+
+One job writes one JSON file. It is written to a temporary file in the same folder and
+renamed into place, so a reader (or Snakemake) never sees half a result.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+REPO = Path(__file__).resolve().parent.parent
+
+
+def git_commit() -> str:
+    """HEAD's hash, with `-dirty` when tracked files differ from it; `unknown` outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_info(device: str) -> dict:
+    """Name and, where it applies, memory and driver of the device a job ran on."""
+    import torch
+
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(device)
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, check=True).stdout.split("\n")[0].strip()
+        except (OSError, subprocess.CalledProcessError):
+            driver = "unknown"
+        return {"device_name": props.name, "device_memory_bytes": int(props.total_memory),
+                "cuda_version": torch.version.cuda, "driver_version": driver}
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"device_name": f"{name} ({os.cpu_count()} cores)"}
+
+
+def provenance(device: str) -> dict:
+    import torch
+    import transformers
+
+    return {
+        "commit": git_commit(),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python_version": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch_threads": torch.get_num_threads(),
+        **device_info(device),
+    }
+
+
+def write_atomic(path: str | Path, data: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def read(path: str | Path) -> dict:
+    with open(path) as f:
+        return json.load(f)

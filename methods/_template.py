@@ -1,0 +1,41 @@
+"""<Method name>: one line on what it saves and how.
+
+<Authors>, "<Title>", <venue, year>.  Algorithm box, in the paper's notation:
+
+    for each step:
+        ...
+
+Copy this file to methods/<name>.py (the file name is the method's name in configs and
+results) and keep only what the method changes: everything left out is plain AdamW
+training (bench/method.py documents each part). Add tests/test_<name>.py that checks
+the method against an independent reference.
+"""
+import torch
+
+from bench.method import Method
+
+
+class MyMethod(Method):
+    paper = "<Authors>, <Title>, <venue year>"
+    # Hyperparameters with the paper's defaults; the config may override any of them.
+    defaults = dict(lr=1e-3)
+    # Methods this one cannot be stacked with (e.g. two that both own the step).
+    incompatible = frozenset()
+
+    # Change the model (swap layers, wrap blocks). Delete if unused.
+    def transform_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    # Provide the optimizer. Delete if plain AdamW is right.
+    def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=self.hp["lr"])
+
+    # Own the training step only if the method must (e.g. it updates during backward).
+    # Must return the mean loss of the batch as a detached tensor.
+    # def train_step(self, model, optimizer, batch): ...
+
+    # Persistent optimizer state kept outside `optimizer.state`, if any.
+    # def state_tensors(self, optimizer): ...
+
+
+METHOD = MyMethod

@@ -1,0 +1,57 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture
+def tiny_job():
+    """A factory for small, fast jobs on the CPU."""
+    from bench.runner import Job
+
+    def make(**kw):
+        base = dict(kind="memory", method="adamw", model="gpt2-tiny", batch_size=4, seq_len=32)
+        return Job(**{**base, **kw})
+
+    return make
+
+
+WORKFLOW_PARTS = ("Snakefile", "bench", "methods", "config", "profiles")
+
+
+@pytest.fixture
+def workflow_copy(tmp_path):
+    """A fresh copy of the workflow (no results yet) in a temporary folder."""
+    import shutil
+
+    for part in WORKFLOW_PARTS:
+        src = REPO / part
+        if src.is_dir():
+            shutil.copytree(src, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, tmp_path / part)
+    return tmp_path
+
+
+def snakemake(workdir, *args, timeout=600):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def job_counts(output: str) -> dict:
+    """Rule -> job count from the 'Job stats' table Snakemake prints."""
+    counts, in_table = {}, False
+    for line in output.splitlines():
+        parts = line.split()
+        if parts[:2] == ["job", "count"]:
+            in_table = True
+        elif in_table and len(parts) == 2 and parts[1].isdigit():
+            counts[parts[0]] = int(parts[1])
+        elif in_table and counts and not parts:
+            break
+    return counts

@@ -1,0 +1,46 @@
+"""The DAG end to end on the smoke profile: results, tables, figures, paper, resumption."""
+import json
+
+import pandas as pd
+
+from bench.aggregate import SUMMARY_COLUMNS
+from bench.plots import FIGURES
+from conftest import job_counts, snakemake
+
+SMOKE = ("--cores", "2", "--config", "profile=smoke")
+
+
+def test_smoke_profile_end_to_end(workflow_copy):
+    out = snakemake(workflow_copy, *SMOKE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = workflow_copy / "results"
+
+    summary = pd.read_csv(results / "summary.csv")
+    assert list(summary.columns) == SUMMARY_COLUMNS
+    assert len(summary) == 2 * (1 + 1 + 2)  # methods x (memory + throughput + 2 seeds convergence)
+    assert (summary.status == "ok").all(), summary[["result_file", "message"]]
+    assert set(summary.kind) == {"memory", "throughput", "convergence"}
+    assert summary.loc[summary.kind == "memory", "peak_bytes"].gt(0).all()
+    assert summary.loc[summary.kind == "throughput", "tokens_per_s"].gt(0).all()
+
+    curves = pd.read_csv(results / "curves.csv")
+    assert len(curves) == 2 * 2 * 8  # methods x seeds x steps
+
+    for name in FIGURES:
+        for ext in ("png", "pdf"):
+            assert (results / "figures" / f"{name}.{ext}").stat().st_size > 1000
+    assert (workflow_copy / "paper" / "results.md").stat().st_size > 500
+
+    record = json.loads(next((results / "runs").rglob("*.json")).read_text())
+    assert record["job"]["seed"] in (0, 1) and record["provenance"]["torch_version"]
+
+    again = snakemake(workflow_copy, "-n", *SMOKE)
+    assert again.returncode == 0
+    assert "Nothing to be done" in again.stdout + again.stderr
+
+    victim = next((results / "runs" / "smoke" / "memory").rglob("*.json"))
+    victim.unlink()
+    rerun = snakemake(workflow_copy, "-n", *SMOKE)
+    counts = job_counts(rerun.stdout)
+    assert counts["run_job"] == 1
+    assert str(victim.relative_to(workflow_copy)) in rerun.stdout
