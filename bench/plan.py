@@ -88,6 +88,8 @@ def plan(config: dict) -> dict[str, list[str]]:
         if not section:
             continue
         where = f"profiles/{name}/{kind}"
+        kind_methods = (resolve_methods(section["methods"], f"{where}/methods")
+                        if "methods" in section else methods)
         _check_models(section["models"], f"{where}/models")
         for model in section["models"]:
             if section["seq_len"] > max_positions(model):
@@ -95,7 +97,7 @@ def plan(config: dict) -> dict[str, list[str]]:
                                   f"{model}'s {max_positions(model)} positions")
         for task in section.get("tasks", ["markov"]):
             for model in section["models"]:
-                for method in methods:
+                for method in kind_methods:
                     for batch in section["batch_sizes"]:
                         for seed in section["seeds"]:
                             path, args = _job(config, prof, name, kind, section, task, method,

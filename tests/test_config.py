@@ -40,7 +40,7 @@ def mutate(fn):
 
 BAD = {
     "unknown method": (lambda c: c["profiles"]["quick"].update(methods=["adamx"]),
-                       "profiles/quick/methods: unknown method 'adamx'; available: all, adamw"),
+                       "profiles/quick/methods: unknown method 'adamx'; available: all, adama, "),
     "unknown method in a stack": (lambda c: c["profiles"]["quick"].update(methods=["adamw+nope"]),
                                   "profiles/quick/methods: unknown method 'nope'"),
     "unknown model": (lambda c: c["profiles"]["quick"]["memory"].update(models=["gpt5"]),

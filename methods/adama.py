@@ -1,0 +1,234 @@
+"""AdamA: Adam accumulation, which releases each gradient during backward.
+
+Zhang, Han, Cao, Dai, Miao, Cao, Yang, Xu, "Adam Accumulation to Reduce Memory Footprints
+of both Activations and Gradients for Large-scale DNN Training", ECAI 2023,
+arXiv 2305.19982. No official code exists; this is our implementation of the paper's
+algorithm.
+
+Gradient accumulation keeps a full gradient buffer alive across N micro-batches. AdamA
+folds each micro-batch gradient G_i into Adam's moments as soon as backward has produced
+it for a parameter, and frees it, so only one tensor's gradient is alive at a time:
+
+    at the first gradient of parameter p in step t:   m <- b1 m ;  v <- b2 v
+    for each micro-batch i = 1..N, inside backward, per parameter:
+        m <- m + (1 - b1) G_i / N
+        v <- v + (1 - b2) G_i^2 / N          (v_norm = "mean", the default)
+        v <- v + (1 - b2) (G_i / N)^2        (v_norm = "sum_scaled")
+        free G_i
+    after micro-batch N:   t <- t + 1
+        p <- p - lr wd p                                 (decoupled weight decay)
+        p <- p - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+
+m is exactly Adam-with-accumulation's m (the sum is linear). v differs: the mean of
+squared micro-batch gradients, never below the square of their mean (Jensen), equal
+when the micro-batch gradients agree.
+
+Why `mean` is the default: it reduces to Adam whenever the micro-batch gradients agree
+(v has the scale of one squared gradient, whatever N is). `sum_scaled`, the reading of
+one third-party implementation, makes v N times smaller in that case, so steps grow
+about sqrt(N) times with the number of micro-batches. Both equal Adam for N = 1.
+
+Cannot be combined with what needs every gradient at once or per micro-batch:
+global gradient-norm clipping, fp16 with a GradScaler, and L2 (coupled) weight decay.
+
+`state_dtype` keeps m and v in the parameter's dtype (`param`, default, as torch's Adam
+does), float32, bfloat16, or 8-bit blocks (`int8`: block-wise absmax-quantised m, and
+sqrt(v) on a block-wise logarithmic 8-bit code): the optimizer-state reduction the paper
+combines AdamA with.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bench.method import Method, MethodError, lm_loss, split_batch
+
+STATE_DTYPES = ("param", "float32", "bfloat16", "int8")
+BLOCK = 256  # elements per quantisation block
+LOG_RANGE = 1e-6  # smallest non-zero code of the log mapping, relative to the block's max
+LOG_STEP = LOG_RANGE ** (-1 / 254) - 1  # relative spacing of neighbouring log codes
+
+
+class Quantized8bit:
+    """A tensor kept as 8-bit codes and one float32 scale per block of `BLOCK` elements.
+
+    `linear` (signed values, for m): int8 codes in [-127, 127], scale = absmax / 127;
+    round-trip error <= scale / 2.
+    `log` (non-negative values, for sqrt(v)): uint8 codes; 0 is zero, code c > 0 is
+    scale * LOG_RANGE ** ((255 - c) / 254) with scale = the block's max, so the relative
+    error is <= LOG_STEP / 2 (2.8%) for values above scale * LOG_RANGE. A linear code
+    would round small sqrt(v) to 0 and blow the update m / sqrt(v) up.
+    """
+
+    def __init__(self, shape: torch.Size, device, mapping: str):
+        self.shape, self.mapping = shape, mapping
+        numel = math.prod(shape)
+        blocks = -(-numel // BLOCK)
+        dtype = torch.int8 if mapping == "linear" else torch.uint8
+        self.codes = torch.zeros(blocks * BLOCK, dtype=dtype, device=device)
+        self.scale = torch.zeros(blocks, 1, dtype=torch.float32, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scale]
+
+    def decode(self) -> torch.Tensor:
+        codes = self.codes.view(self.scale.shape[0], BLOCK).float()
+        if self.mapping == "linear":
+            x = codes * self.scale
+        else:
+            x = torch.where(codes > 0, self.scale * LOG_RANGE ** ((255 - codes) / 254), 0.0)
+        return x.flatten()[: math.prod(self.shape)].view(self.shape)
+
+    def encode(self, x: torch.Tensor) -> None:
+        flat = x.detach().float().flatten()
+        blocks = torch.nn.functional.pad(flat, (0, self.codes.numel() - flat.numel())).view(-1, BLOCK)
+        top = blocks.abs().amax(dim=1, keepdim=True)
+        self.scale.copy_(torch.where(top > 0, top / 127 if self.mapping == "linear" else top, 1.0))
+        if self.mapping == "linear":
+            codes = (blocks / self.scale).round_().clamp_(-127, 127)
+        else:
+            ratio = blocks / self.scale
+            codes = (255 + 254 * ratio.clamp_min(LOG_RANGE).log() / math.log(1 / LOG_RANGE)).round_()
+            codes = torch.where(ratio < LOG_RANGE / 2, 0.0, codes.clamp_(1, 255))
+        self.codes.copy_(codes.flatten())
+
+
+class AdamAOptimizer(torch.optim.Optimizer):
+    """Adam whose moments absorb each micro-batch gradient inside backward.
+
+    Call `begin(n)` before the first backward of a mini-batch of n micro-batches, run the
+    backward passes (each on the micro-batch loss divided by n), then `step()`.
+    Gradients never survive a backward: the hooks set `p.grad = None`.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 v_norm="mean", state_dtype="param"):
+        if v_norm not in ("mean", "sum_scaled"):
+            raise MethodError(f"adama: v_norm must be 'mean' or 'sum_scaled', not {v_norm!r}")
+        if state_dtype not in STATE_DTYPES:
+            raise MethodError(f"adama: state_dtype must be one of {', '.join(STATE_DTYPES)}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.v_norm, self.state_dtype = v_norm, state_dtype
+        self.micro_batches = 1
+        self._decayed: set[int] = set()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._fold)
+                       for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._group_of = {id(p): group for group in self.param_groups for p in group["params"]}
+
+    def begin(self, micro_batches: int) -> None:
+        self.micro_batches = micro_batches
+        self._decayed.clear()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    # -- moments in their storage format ---------------------------------------------
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        state["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU, as torch.optim.Adam keeps it
+        if self.state_dtype == "int8":
+            state["exp_avg"] = Quantized8bit(p.shape, p.device, "linear")
+            state["exp_avg_sq_root"] = Quantized8bit(p.shape, p.device, "log")
+        else:
+            dtype = p.dtype if self.state_dtype == "param" else getattr(torch, self.state_dtype)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        return state
+
+    def _moments(self, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.state_dtype == "int8":
+            return state["exp_avg"].decode(), state["exp_avg_sq_root"].decode().square()
+        return state["exp_avg"], state["exp_avg_sq"]
+
+    def _store(self, state: dict, m: torch.Tensor, v: torch.Tensor) -> None:
+        if self.state_dtype == "int8":
+            state["exp_avg"].encode(m)
+            state["exp_avg_sq_root"].encode(v.sqrt())
+
+    # -- the algorithm ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _fold(self, p: torch.Tensor) -> None:
+        group = self._group_of[id(p)]
+        beta1, beta2 = group["betas"]
+        state = self.state[p] or self._init_state(p)
+        m, v = self._moments(state)
+        if id(p) not in self._decayed:  # once per mini-batch
+            m.mul_(beta1)
+            v.mul_(beta2)
+            self._decayed.add(id(p))
+        g = p.grad  # = G_i / N: the micro-batch loss was divided by N
+        n = self.micro_batches
+        m.add_(g, alpha=1 - beta1)
+        v.addcmul_(g, g, value=(1 - beta2) * (n if self.v_norm == "mean" else 1))
+        self._store(state, m, v)
+        p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if id(p) not in self._decayed:  # no gradient this mini-batch
+                    continue
+                state = self.state[p]
+                state["step"] += 1
+                t = float(state["step"])
+                m, v = self._moments(state)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
+                p.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-group["lr"] / (1 - beta1 ** t))
+        self._decayed.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # gradients are released inside backward
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        out = []
+        for state in self.state.values():
+            for value in state.values():
+                out.extend(value.tensors() if isinstance(value, Quantized8bit) else [value])
+        return out
+
+
+class AdamA(Method):
+    paper = ("Zhang et al., Adam Accumulation to Reduce Memory Footprints of both Activations "
+             "and Gradients for Large-scale DNN Training, ECAI 2023, arXiv 2305.19982")
+    defaults = dict(micro_batches=4, v_norm="mean", state_dtype="param",
+                    weight_decay_mode="decoupled", max_grad_norm=None, grad_scaler=False)
+
+    def make_optimizer(self, model):
+        hp = self.hp
+        if hp["max_grad_norm"] is not None:
+            raise MethodError("adama: max_grad_norm (global gradient-norm clipping) needs every "
+                              "gradient at once, but AdamA releases each one during backward; "
+                              "use max_grad_norm=None")
+        if hp["weight_decay_mode"] != "decoupled":
+            raise MethodError(f"adama: weight_decay_mode={hp['weight_decay_mode']!r} (L2 weight decay "
+                              f"added to the gradient) would be applied per micro-batch; use "
+                              f"weight_decay_mode='decoupled' (AdamW-style)")
+        if hp["grad_scaler"] or any(p.dtype == torch.float16 for p in model.parameters()):
+            raise MethodError("adama: fp16 training needs a GradScaler, which cannot unscale "
+                              "gradients that are already folded into the moments; use "
+                              "bfloat16 or float32")
+        return AdamAOptimizer(model.parameters(), lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
+                              weight_decay=hp["weight_decay"], v_norm=hp["v_norm"],
+                              state_dtype=hp["state_dtype"])
+
+    def train_step(self, model, optimizer, batch):
+        n = self.hp["micro_batches"]
+        optimizer.begin(n)
+        total = None
+        for micro in split_batch(batch, n):
+            loss = lm_loss(model, micro) / n
+            loss.backward()  # the hooks fold and release every gradient
+            total = loss.detach() if total is None else total + loss.detach()
+        optimizer.step()
+        return total
+
+    def state_tensors(self, optimizer):
+        return optimizer.state_tensors()
+
+
+METHOD = AdamA

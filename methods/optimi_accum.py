@@ -1,0 +1,41 @@
+"""Peer: torch-optimi's "optimizer accumulation", an approximation of AdamA.
+
+Warner, torch-optimi 0.3.3 (PyPI `torch-optimi`, MIT), `AdamW(gradient_release=True)`
+with `optimizer_accumulation`. Like AdamA it folds each micro-batch gradient into the
+moments inside backward and frees it; unlike AdamA it runs a full EMA step per
+micro-batch (beta, the step count and the debiasing advance N times per optimizer
+step), which its documentation calls an approximation of gradient accumulation.
+Hyperparameters are aligned with ours (betas, eps, weight decay passed explicitly;
+optimi's own defaults differ: betas (0.9, 0.99), eps 1e-6, weight decay 1e-2).
+"""
+from bench.method import Method, MethodError, lm_loss, split_batch
+
+
+class OptimiAccumulation(Method):
+    paper = "torch-optimi 0.3.3, optimizer accumulation (approximates AdamA, arXiv 2305.19982)"
+    defaults = dict(micro_batches=4)
+
+    def make_optimizer(self, model):
+        try:
+            from optimi import AdamW, prepare_for_gradient_release
+        except ImportError as e:
+            raise MethodError(f"optimi_accum needs `pip install torch-optimi==0.3.3` ({e})") from None
+        hp = self.hp
+        optimizer = AdamW(model.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                          weight_decay=hp["weight_decay"], gradient_release=True)
+        # the memory tracker's own gradient hooks may already be registered
+        prepare_for_gradient_release(model, optimizer, ignore_existing_hooks=True)
+        return optimizer
+
+    def train_step(self, model, optimizer, batch):
+        n = self.hp["micro_batches"]
+        total = None
+        for i, micro in enumerate(split_batch(batch, n)):
+            optimizer.optimizer_accumulation = i < n - 1  # the last micro-batch updates
+            loss = lm_loss(model, micro) / n
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
+
+METHOD = OptimiAccumulation
