@@ -82,6 +82,7 @@ rule paper:
     message: "writing paper/results.md"
     input:
         summary="results/summary.csv",
+        claims="paper/claims.yaml",
         figures=expand("results/figures/{name}.png", name=FIGURES),
     output: "paper/results.md"
-    shell: "{PYTHON} -m bench.paper --summary {input.summary} --out {output}"
+    shell: "{PYTHON} -m bench.paper --summary {input.summary} --claims {input.claims} --out {output}"

@@ -69,11 +69,7 @@ def aggregate(paths: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def write_csv_atomic(frame: pd.DataFrame, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    frame.to_csv(tmp, index=False)
-    tmp.replace(path)
+    results.write_text_atomic(path, frame.to_csv(index=False))
 
 
 def main(argv=None) -> int:

@@ -5,6 +5,7 @@ renamed into place, so a reader (or Snakemake) never sees half a result.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -68,18 +69,31 @@ def provenance(device: str) -> dict:
     }
 
 
-def write_atomic(path: str | Path, data: dict) -> None:
+@contextlib.contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temporary path beside `path`; once the block succeeds it is renamed onto
+    `path`, so a reader never sees a half-written file. On failure it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, allow_nan=False)
-            f.write("\n")
+        yield Path(tmp)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_atomic(path: str | Path, data: dict) -> None:
+    """One result as JSON (NaN and infinity refused), written atomically."""
+    write_text_atomic(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
 
 
 def read(path: str | Path) -> dict:

@@ -127,7 +127,7 @@ class AdamAOptimizer(torch.optim.Optimizer):
     # -- moments in their storage format ---------------------------------------------
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
-        state["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU, as torch.optim.Adam keeps it
+        state["step"] = 0  # a Python int: no tensor to read back (and none on fake tensors)
         if self.state_dtype == "int8":
             state["exp_avg"] = Quantized8bit(p.shape, p.device, "linear")
             state["exp_avg_sq_root"] = Quantized8bit(p.shape, p.device, "log")
@@ -174,7 +174,7 @@ class AdamAOptimizer(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 state["step"] += 1
-                t = float(state["step"])
+                t = state["step"]
                 m, v = self._moments(state)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(group["eps"])
@@ -188,7 +188,10 @@ class AdamAOptimizer(torch.optim.Optimizer):
         out = []
         for state in self.state.values():
             for value in state.values():
-                out.extend(value.tensors() if isinstance(value, Quantized8bit) else [value])
+                if isinstance(value, Quantized8bit):
+                    out.extend(value.tensors())
+                elif isinstance(value, torch.Tensor):
+                    out.append(value)
         return out
 
 

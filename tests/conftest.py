@@ -19,7 +19,7 @@ def tiny_job():
     return make
 
 
-WORKFLOW_PARTS = ("Snakefile", "bench", "methods", "config", "profiles")
+WORKFLOW_PARTS = ("Snakefile", "bench", "methods", "config", "profiles", "paper/claims.yaml")
 
 
 @pytest.fixture
@@ -32,6 +32,7 @@ def workflow_copy(tmp_path):
         if src.is_dir():
             shutil.copytree(src, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
         else:
+            (tmp_path / part).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(src, tmp_path / part)
     return tmp_path
 

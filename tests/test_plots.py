@@ -154,3 +154,30 @@ def test_empty_summary_still_draws_every_figure(tmp_path):
     out = tmp_path / "results.md"
     assert paper.main(["--summary", str(summary_path), "--out", str(out)]) == 0
     assert "_No memory jobs._" in out.read_text()
+
+
+def test_claims_compare_like_with_like():
+    from bench.tables import claim_table
+
+    rows = []
+    for method, peak, tps, seeds in (("grad_accum", 100.0, 50.0, (1.00, 1.10)),
+                                     ("adama", 80.0, 45.0, (1.02, 1.16))):
+        rows.append(dict(kind="memory", method=method, model="m", batch_size=8, seq_len=16,
+                         device="cpu", status="ok", peak_bytes=peak, param_bytes=10.0,
+                         grad_bytes=10.0 if method == "grad_accum" else 1.0, optimizer_bytes=20.0,
+                         memory_tier="tracked"))
+        rows.append(dict(kind="throughput", method=method, model="m", batch_size=8, seq_len=16,
+                         device="cpu", status="ok", tokens_per_s=tps, seed=0))
+        for seed, loss in enumerate(seeds):
+            rows.append(dict(kind="convergence", method=method, model="m", task="markov",
+                             device="cpu", status="ok", final_loss=loss, seed=seed))
+    summary = pd.DataFrame(rows).reindex(columns=SUMMARY_COLUMNS)
+    claims = [dict(method="adama", versus="grad_accum", metric=m, claim="c", setup="s", source="x")
+              for m in ("peak_memory_change", "state_memory_change", "throughput_ratio",
+                        "final_loss_gap")]
+    table = claim_table(summary, claims).set_index("metric")
+    assert table.loc["peak_memory_change", "ours"] == "-20.0% to -20.0%"
+    assert table.loc["state_memory_change", "ours"] == "-22.5% to -22.5%"  # 31 vs 40
+    assert table.loc["throughput_ratio", "ours"] == "0.90 to 0.90"
+    gaps = np.array([0.02, 0.06])  # paired by seed
+    assert table.loc["final_loss_gap", "ours"] == f"markov {gaps.mean():+.3f} ± {gaps.std(ddof=1):.3f} (n=2)"
