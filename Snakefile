@@ -4,6 +4,7 @@
 #   snakemake --cores all                          # quick profile (CPU, minutes)
 #   snakemake --cores all --config profile=full --resources gpu=1   # papers' sizes on a GPU
 #   snakemake -n                                   # list the jobs without running them
+import glob
 import sys
 
 from snakemake.utils import min_version, validate
@@ -23,6 +24,8 @@ except ConfigError as e:
 validate(config, "config/schema.yaml")  # Snakemake's check; fills the schema's defaults
 
 PYTHON = sys.executable
+# The tables gather every result on disk: this profile's jobs and any earlier profile's.
+RESULTS = sorted(set(JOBS) | set(glob.glob("results/runs/*/*/*/*/*.json")))
 CUDA = config["profiles"][config["profile"]]["device"].startswith("cuda")
 
 
@@ -55,8 +58,8 @@ rule run_job:
 
 
 rule aggregate:
-    message: "collecting {} results".format(len(JOBS))
-    input: list(JOBS)
+    message: "collecting {} results".format(len(RESULTS))
+    input: RESULTS
     output:
         summary="results/summary.csv",
         curves="results/curves.csv",
