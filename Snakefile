@@ -5,6 +5,7 @@
 #   snakemake --cores all --config profile=full --resources gpu=1   # papers' sizes on a GPU
 #   snakemake -n                                   # list the jobs without running them
 import glob
+import re
 import sys
 
 from snakemake.utils import min_version, validate
@@ -51,6 +52,8 @@ rule run_job:
     message: "{wildcards.kind}: {wildcards.method} on {wildcards.model} ({wildcards.cell})"
     output: "results/runs/{profile}/{kind}/{model}/{method}/{cell}.json"
     log: "results/logs/{profile}/{kind}/{model}/{method}/{cell}.log"
+    # only this profile's results are made here; other profiles' are read as they are
+    wildcard_constraints: profile=re.escape(config["profile"])
     params: args=job_args
     threads: job_threads
     resources: gpu=1 if CUDA else 0
@@ -63,12 +66,8 @@ rule aggregate:
     output:
         summary="results/summary.csv",
         curves="results/curves.csv",
-    run:
-        from bench.aggregate import aggregate, write_csv_atomic
-
-        summary, curves = aggregate(input)
-        write_csv_atomic(summary, output.summary)
-        write_csv_atomic(curves, output.curves)
+    log: "results/logs/aggregate.log"
+    shell: "{PYTHON} -m bench.aggregate --summary {output.summary} --curves {output.curves} {input} 2> {log}"
 
 
 rule figures:

@@ -78,12 +78,8 @@ def main(argv=None) -> int:
     p.add_argument("results", nargs="*", help="result JSON files")
     p.add_argument("--summary", required=True)
     p.add_argument("--curves", required=True)
-    p.add_argument("--from-list", help="file with one result path per line (for long lists)")
     args = p.parse_args(argv)
-    paths = list(args.results)
-    if args.from_list:
-        paths += Path(args.from_list).read_text().split()
-    summary, curves = aggregate(paths)
+    summary, curves = aggregate(args.results)
     write_csv_atomic(summary, args.summary)
     write_csv_atomic(curves, args.curves)
     print(f"aggregate: {len(summary)} jobs ({(summary.status != 'ok').sum()} not ok), "

@@ -60,17 +60,27 @@ def _check_models(models: list[str], where: str) -> None:
             raise ConfigError(f"config key {where}: unknown model {m!r}; known: {', '.join(MODELS)}")
 
 
-def _check_method_params(params: dict) -> None:
+def _check_method_params(params: dict, where: str) -> None:
     if not params:
         return
     from bench.method import MethodError, load
 
     for method, overrides in params.items():
-        resolve_methods([method], f"method_params/{method}")
+        resolve_methods([method], f"{where}/{method}")
         try:
             load(method, overrides)
         except MethodError as e:
-            raise ConfigError(f"config key method_params/{method}: {e}") from None
+            raise ConfigError(f"config key {where}/{method}: {e}") from None
+
+
+def method_params(config: dict, profile: dict, method: str) -> dict:
+    """Overrides for one method (stack members each get theirs): the top level's, then the
+    profile's on top."""
+    params: dict = {}
+    for part in method.split("+"):
+        for source in (config.get("method_params", {}), profile.get("method_params", {})):
+            params.update(source.get(part, {}))
+    return params
 
 
 def plan(config: dict) -> dict[str, list[str]]:
@@ -81,7 +91,8 @@ def plan(config: dict) -> dict[str, list[str]]:
         raise ConfigError(f"config key profile: unknown profile {name!r}; defined: {', '.join(profiles)}")
     prof = profiles[name]
     methods = resolve_methods(prof["methods"], f"profiles/{name}/methods")
-    _check_method_params(config.get("method_params", {}))
+    _check_method_params(config.get("method_params", {}), "method_params")
+    _check_method_params(prof.get("method_params", {}), f"profiles/{name}/method_params")
     jobs: dict[str, list[str]] = {}
     for kind in KINDS:
         section = prof.get(kind)
@@ -122,9 +133,8 @@ def _job(config, prof, profile, kind, section, task, method, model, batch, seed)
         args += ["--steps", str(section["timed_steps"]), "--warmup-steps", str(section["warmup_steps"])]
     if kind == "convergence":
         args += ["--steps", str(section["steps"])]
-    for part in method.split("+"):
-        for key, value in config.get("method_params", {}).get(part, {}).items():
-            args += ["--hparam", f"{key}={_json(value)}"]
+    for key, value in method_params(config, prof, method).items():
+        args += ["--hparam", f"{key}={_json(value)}"]
     return f"results/runs/{profile}/{kind}/{model}/{method}/{cell}.json", args
 
 

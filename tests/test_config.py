@@ -59,7 +59,19 @@ BAD = {
                      "profiles/quick/convergence/tasks/0"),
     "unknown hyperparameter": (lambda c: c.update(method_params={"grad_accum": {"microbatches": 8}}),
                                "method_params/grad_accum: grad_accum has no option 'microbatches'"),
+    "unknown hyperparameter in a profile": (
+        lambda c: c["profiles"]["quick"].update(method_params={"adama": {"vnorm": "mean"}}),
+        "profiles/quick/method_params/adama: adama has no option 'vnorm'"),
 }
+
+
+def test_profile_method_params_override_the_top_level():
+    config = mutate(lambda c: (c.update(method_params={"grad_accum": {"micro_batches": 2, "lr": 0.1}}),
+                               c["profiles"]["quick"].update(method_params={"grad_accum": {"micro_batches": 8}})))
+    jobs = checked(config)
+    args = next(a for p, a in jobs.items() if "/memory/gpt2-tiny/checkpointing+grad_accum/" in p)
+    hparams = [args[i + 1] for i, a in enumerate(args) if a == "--hparam"]
+    assert hparams == ["micro_batches=8", "lr=0.1"]
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -3,6 +3,7 @@ import json
 
 import pandas as pd
 
+from bench import plan
 from bench.aggregate import SUMMARY_COLUMNS
 from bench.plots import FIGURES
 from conftest import job_counts, snakemake
@@ -37,6 +38,12 @@ def test_smoke_profile_end_to_end(workflow_copy):
     again = snakemake(workflow_copy, "-n", *SMOKE)
     assert again.returncode == 0
     assert "Nothing to be done" in again.stdout + again.stderr
+
+    # another profile plans its own jobs and reads the smoke results as they are
+    other = snakemake(workflow_copy, "-n", "--cores", "2", "--config", "profile=paper-memory")
+    assert other.returncode == 0, other.stderr[-2000:]
+    planned = plan.plan({**plan.load(workflow_copy / "config" / "config.yaml"), "profile": "paper-memory"})
+    assert job_counts(other.stdout)["run_job"] == len(planned)
 
     victim = next((results / "runs" / "smoke" / "memory").rglob("*.json"))
     victim.unlink()
