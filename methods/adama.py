@@ -43,6 +43,7 @@ import math
 import torch
 
 from bench.method import Method, MethodError, lm_loss, split_batch
+from bench.release import GradientRelease
 
 STATE_DTYPES = ("param", "float32", "bfloat16", "int8")
 BLOCK = 256  # elements per quantisation block
@@ -112,8 +113,8 @@ class AdamAOptimizer(torch.optim.Optimizer):
         self.v_norm, self.state_dtype = v_norm, state_dtype
         self.micro_batches = 1
         self._decayed: set[int] = set()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._fold)
-                       for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._release = GradientRelease(  # _fold runs inside backward, then p.grad is freed
+            [p for group in self.param_groups for p in group["params"]], self._fold)
         self._group_of = {id(p): group for group in self.param_groups for p in group["params"]}
 
     def begin(self, micro_batches: int) -> None:
@@ -121,8 +122,7 @@ class AdamAOptimizer(torch.optim.Optimizer):
         self._decayed.clear()
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
+        self._release.remove()
 
     # -- moments in their storage format ---------------------------------------------
     def _init_state(self, p: torch.Tensor) -> dict:
@@ -148,8 +148,7 @@ class AdamAOptimizer(torch.optim.Optimizer):
             state["exp_avg_sq_root"].encode(v.sqrt())
 
     # -- the algorithm ---------------------------------------------------------------------
-    @torch.no_grad()
-    def _fold(self, p: torch.Tensor) -> None:
+    def _fold(self, p: torch.Tensor) -> None:  # a GradientRelease hook: no_grad, then p.grad = None
         group = self._group_of[id(p)]
         beta1, beta2 = group["betas"]
         state = self.state[p] or self._init_state(p)
@@ -163,7 +162,6 @@ class AdamAOptimizer(torch.optim.Optimizer):
         m.add_(g, alpha=1 - beta1)
         v.addcmul_(g, g, value=(1 - beta2) * (n if self.v_norm == "mean" else 1))
         self._store(state, m, v)
-        p.grad = None
 
     @torch.no_grad()
     def step(self, closure=None):

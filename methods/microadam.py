@@ -88,6 +88,7 @@ import math
 import torch
 
 from bench.method import Method, MethodError
+from bench.optim import PerParameterOptimizer
 
 INDEX_LIMIT = 32768  # top-k indices are int16, relative to their block: block < 32768
 LEVELS = 15  # 4-bit codes 0..15
@@ -176,7 +177,7 @@ def dequantise(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, numel: i
 
 
 # -- the optimizer -----------------------------------------------------------------------------
-class MicroAdamOptimizer(torch.optim.Optimizer):
+class MicroAdamOptimizer(PerParameterOptimizer):
     """MicroAdam (Algorithm 1 of the paper, as in the module docstring).
 
     `m`: window length (sparse gradients kept); `k`: density of top-k (fraction of each
@@ -241,19 +242,7 @@ class MicroAdamOptimizer(torch.optim.Optimizer):
         state["error_lo"].copy_(lo)
         state["error_hi"].copy_(hi)
 
-    # -- the step ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
-
+    # -- the update of one parameter (step() runs it for each) ---------------------------------
     def _update(self, p: torch.Tensor, group: dict) -> None:
         if p.grad.is_sparse:
             raise MethodError("microadam does not support sparse gradients")
