@@ -1,0 +1,28 @@
+"""Peer: 8-bit AdamW from bitsandbytes (block-wise quantised moments).
+
+Dettmers, Lewis, Shleifer, Zettlemoyer, "8-bit Optimizers via Block-wise Quantization",
+ICLR 2022; `bitsandbytes.optim.AdamW8bit` (bitsandbytes 0.50.2, the first release whose
+optimizers run on the CPU). m and v are kept as 8-bit codes of a dynamic (tree) map with
+one absmax per block of 256 values, about 2 bytes of state per parameter instead of 8.
+Tensors smaller than `min_8bit_size` elements keep 32-bit states, as bitsandbytes does.
+The comparison row for optimizer-state reduction (MicroAdam, AdamA with 8-bit states).
+"""
+from bench.method import Method, MethodError
+
+
+class AdamW8bit(Method):
+    paper = "Dettmers et al., 8-bit Optimizers via Block-wise Quantization, ICLR 2022 (bitsandbytes)"
+    defaults = dict(min_8bit_size=4096)
+
+    def make_optimizer(self, model):
+        try:
+            import bitsandbytes as bnb
+        except ImportError as e:
+            raise MethodError(f"adamw_8bit needs `pip install bitsandbytes==0.50.2` ({e})") from None
+        hp = self.hp
+        return bnb.optim.AdamW8bit(model.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]),
+                                   eps=hp["eps"], weight_decay=hp["weight_decay"],
+                                   min_8bit_size=hp["min_8bit_size"])
+
+
+METHOD = AdamW8bit
