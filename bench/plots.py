@@ -92,11 +92,12 @@ def no_data_figure(title: str, what: str) -> plt.Figure:
 def _finish(fig: plt.Figure, heading: str, caption: str = "", handles=(), **legend_kw) -> None:
     """Lay out the panels under `heading`, then put the legend (if any) and the caption below
     everything drawn, measured in pixels so that nothing overlaps; `save` crops tightly."""
-    fig.suptitle(heading, fontsize=12)
     fig.tight_layout()
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]
+    top = max([b.y1 for b in boxes if b is not None] + [fig.bbox.height])
+    fig.suptitle(heading, fontsize=12, y=(top + 0.05 * fig.dpi) / fig.bbox.height, va="bottom")
     y = min([b.y0 for b in boxes if b is not None] + [0.0]) - 0.08 * fig.dpi
     height = fig.bbox.height
     if handles:
@@ -162,7 +163,8 @@ def figure_memory_breakdown(summary: pd.DataFrame) -> plt.Figure:
     per_model = table.groupby("model")[["batch_size", "seq_len", "device"]].apply(
         lambda g: len(g.drop_duplicates())).max()
     colors = category_colors()
-    fig, axes = _grid(len(cells), min(int(per_model), 3), 6.2, 0.55 * len(methods) + 1.5)
+    fig, axes = _grid(len(cells), min(len(cells), int(per_model) if per_model > 1 else 3), 6.2,
+                      0.55 * len(methods) + 1.5)
     for ax, cell in zip(axes, cells):
         part = table[_key_match(table, cell, MEMORY_CELL)].set_index("method")
         ys = np.arange(len(methods))
