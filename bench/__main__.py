@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
         epilog="kinds: memory = peak bytes by category over a warm-up and a measured step; "
                "throughput = median step time over timed steps after warm-up; "
                "convergence = loss per step. Methods: " + ", ".join(available()) +
-               " (stack with '+', e.g. checkpointing+grad_accum).")
+               " (stack with '+', e.g. checkpointing+grad_accum; fix hyperparameters with '@', "
+               "e.g. galore@rank=8).")
     p.add_argument("--kind", required=True, choices=KINDS)
     p.add_argument("--method", required=True, help="method module name or a+b stack")
     p.add_argument("--model", required=True, choices=sorted(MODELS), metavar="MODEL",
@@ -66,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     method = args.method
-    unknown = [m for m in method.split("+") if m not in available()]
+    unknown = [m for m in (part.partition("@")[0] for part in method.split("+")) if m not in available()]
     if unknown:
         parser().error(f"unknown method {unknown[0]!r}; available: {', '.join(available())}")
     job = Job(kind=args.kind, method=method, model=args.model, batch_size=args.batch_size,

@@ -21,6 +21,7 @@ hyperparameters merge and must not disagree.
 from __future__ import annotations
 
 import importlib
+import json
 
 import torch
 
@@ -133,17 +134,36 @@ class Stack(Method):
         return self._owner["state_tensors"].state_tensors(optimizer)
 
 
+def parse_variant(member: str) -> tuple[str, dict]:
+    """`galore@rank=8,update_proj_gap=50` -> ("galore", {"rank": 8, "update_proj_gap": 50}):
+    a method with some hyperparameters fixed, named in configs and results as written."""
+    name, _, variant = member.partition("@")
+    overrides = {}
+    for item in filter(None, variant.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise MethodError(f"{member}: expected name@key=value[,key=value], got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return name, overrides
+
+
 def load(spec: str, overrides: dict | None = None) -> Method:
-    """Build the method (or `a+b` stack) named `spec`, with hyperparameter overrides."""
+    """Build the method (or `a+b` stack) named `spec`, with hyperparameter overrides; a
+    member written `name@key=value` fixes those hyperparameters over `overrides`."""
     known = available()
-    members = []
-    for name in spec.split("+"):
+    members, fixed = [], {}
+    for member in spec.split("+"):
+        name, variant = parse_variant(member)
         if name not in known:
             raise MethodError(f"unknown method {name!r}; available: {', '.join(known)}")
         module = importlib.import_module(f"methods.{name}")
         members.append(module.METHOD())
+        fixed.update(variant)
     method = members[0] if len(members) == 1 else Stack(members)
-    for key, value in (overrides or {}).items():
+    for key, value in {**(overrides or {}), **fixed}.items():
         if key not in method.hp:
             raise MethodError(f"{spec} has no option {key!r}; options: {', '.join(sorted(method.hp))}")
         method.hp[key] = value

@@ -46,9 +46,12 @@ def resolve_methods(entries: list[str], where: str) -> list[str]:
         names = known if entry == "all" else [entry]
         for name in names:
             for part in name.split("+"):
-                if part not in known:
-                    raise ConfigError(f"config key {where}: unknown method {part!r}; "
+                base = part.partition("@")[0]
+                if base not in known:
+                    raise ConfigError(f"config key {where}: unknown method {base!r}; "
                                       f"available: all, {', '.join(known)}")
+            if "@" in name:  # a variant: its hyperparameters must exist
+                _check_method_params({name: {}}, where.rsplit("/", 1)[0] + "/methods")
             if name not in out:
                 out.append(name)
     return out
@@ -66,7 +69,8 @@ def _check_method_params(params: dict, where: str) -> None:
     from bench.method import MethodError, load
 
     for method, overrides in params.items():
-        resolve_methods([method], f"{where}/{method}")
+        if "@" not in method:
+            resolve_methods([method], f"{where}/{method}")
         try:
             load(method, overrides)
         except MethodError as e:
@@ -78,8 +82,9 @@ def method_params(config: dict, profile: dict, method: str) -> dict:
     profile's on top."""
     params: dict = {}
     for part in method.split("+"):
+        base = part.partition("@")[0]  # a variant's own values win later, in load()
         for source in (config.get("method_params", {}), profile.get("method_params", {})):
-            params.update(source.get(part, {}))
+            params.update(source.get(base, {}))
     return params
 
 

@@ -25,7 +25,7 @@ def test_default_config_plans_every_method_module():
     assert kinds == {"memory", "throughput", "convergence"}
 
 
-@pytest.mark.parametrize("profile", ["quick", "full", "paper-memory", "smoke"])
+@pytest.mark.parametrize("profile", ["quick", "full", "paper-memory", "galore-ranks", "smoke"])
 def test_every_profile_plans(profile):
     config = copy.deepcopy(CONFIG)
     config["profile"] = profile
@@ -59,6 +59,9 @@ BAD = {
                      "profiles/quick/convergence/tasks/0"),
     "unknown hyperparameter": (lambda c: c.update(method_params={"grad_accum": {"microbatches": 8}}),
                                "method_params/grad_accum: grad_accum has no option 'microbatches'"),
+    "unknown hyperparameter in a variant": (
+        lambda c: c["profiles"]["quick"].update(methods=["galore@rnk=8"]),
+        "profiles/quick/methods/galore@rnk=8: galore@rnk=8 has no option 'rnk'"),
     "unknown hyperparameter in a profile": (
         lambda c: c["profiles"]["quick"].update(method_params={"adama": {"vnorm": "mean"}}),
         "profiles/quick/method_params/adama: adama has no option 'vnorm'"),

@@ -117,3 +117,11 @@ def test_unknown_method_and_option_name_the_choices():
 def test_split_batch_needs_equal_parts():
     with pytest.raises(MethodError, match="cannot be split"):
         split_batch(batch(n=6), 4)
+
+
+def test_a_variant_fixes_hyperparameters_over_overrides():
+    method = load("grad_accum@micro_batches=2,lr=0.5", {"micro_batches": 8, "eps": 1e-6})
+    assert (method.hp["micro_batches"], method.hp["lr"], method.hp["eps"]) == (2, 0.5, 1e-6)
+    assert load("checkpointing+grad_accum@micro_batches=2").hp["micro_batches"] == 2
+    with pytest.raises(MethodError, match="expected name@key=value"):
+        load("grad_accum@micro_batches")
