@@ -78,6 +78,15 @@ def lm_loss(model, batch: dict) -> torch.Tensor:
                                              ignore_index=-100)
 
 
+def require_package(module: str, pip_spec: str, method: str):
+    """Import a peer's package, or raise a MethodError saying what to install (the suite
+    then records the job with status error and this message)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MethodError(f"{method} needs `pip install {pip_spec}` ({e})") from None
+
+
 def split_batch(batch: dict, n: int) -> list[dict]:
     """Split a batch into `n` equal micro-batches along the first dimension."""
     size = len(next(iter(batch.values())))

@@ -7,7 +7,7 @@ one absmax per block of 256 values, about 2 bytes of state per parameter instead
 Tensors smaller than `min_8bit_size` elements keep 32-bit states, as bitsandbytes does.
 The comparison row for optimizer-state reduction (MicroAdam, AdamA with 8-bit states).
 """
-from bench.method import Method, MethodError
+from bench.method import Method, require_package
 
 
 class AdamW8bit(Method):
@@ -15,10 +15,7 @@ class AdamW8bit(Method):
     defaults = dict(min_8bit_size=4096)
 
     def make_optimizer(self, model):
-        try:
-            import bitsandbytes as bnb
-        except ImportError as e:
-            raise MethodError(f"adamw_8bit needs `pip install bitsandbytes==0.50.2` ({e})") from None
+        bnb = require_package("bitsandbytes", "bitsandbytes==0.50.2", self.name)
         hp = self.hp
         return bnb.optim.AdamW8bit(model.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]),
                                    eps=hp["eps"], weight_decay=hp["weight_decay"],

@@ -8,7 +8,7 @@ step), which its documentation calls an approximation of gradient accumulation.
 Hyperparameters are aligned with ours (betas, eps, weight decay passed explicitly;
 optimi's own defaults differ: betas (0.9, 0.99), eps 1e-6, weight decay 1e-2).
 """
-from bench.method import Method, MethodError, lm_loss, split_batch
+from bench.method import Method, lm_loss, require_package, split_batch
 
 
 class OptimiAccumulation(Method):
@@ -16,15 +16,12 @@ class OptimiAccumulation(Method):
     defaults = dict(micro_batches=4)
 
     def make_optimizer(self, model):
-        try:
-            from optimi import AdamW, prepare_for_gradient_release
-        except ImportError as e:
-            raise MethodError(f"optimi_accum needs `pip install torch-optimi==0.3.3` ({e})") from None
+        optimi = require_package("optimi", "torch-optimi==0.3.3", self.name)
         hp = self.hp
-        optimizer = AdamW(model.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+        optimizer = optimi.AdamW(model.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
                           weight_decay=hp["weight_decay"], gradient_release=True)
         # the memory tracker's own gradient hooks may already be registered
-        prepare_for_gradient_release(model, optimizer, ignore_existing_hooks=True)
+        optimi.prepare_for_gradient_release(model, optimizer, ignore_existing_hooks=True)
         return optimizer
 
     def train_step(self, model, optimizer, batch):
