@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import math
 
 import torch
 
@@ -152,8 +151,3 @@ class Stream:
     def next(self) -> dict:
         tokens = self.task.sample(self.batch_size, self.seq_len, self.generator)
         return to_batch(tokens, self.objective, self.mask_id, self.generator)
-
-
-def uniform_loss(vocab: int) -> float:
-    """Loss of a uniform prediction, for scale."""
-    return math.log(vocab)

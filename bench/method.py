@@ -48,9 +48,14 @@ class Method:
         return model
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), **self.adam_args)
+
+    @property
+    def adam_args(self) -> dict:
+        """The Adam hyperparameters every Adam-like optimizer takes, as keyword arguments."""
         hp = self.hp
-        return torch.optim.AdamW(model.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]),
-                                 eps=hp["eps"], weight_decay=hp["weight_decay"])
+        return dict(lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                    weight_decay=hp["weight_decay"])
 
     def train_step(self, model, optimizer, batch: dict) -> torch.Tensor:
         n = self.hp["micro_batches"]

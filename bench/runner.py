@@ -27,8 +27,8 @@ import torch
 from bench import data, models, results
 from bench.memory import CUDA_BLOCK, CapacityExceeded, MemoryTracker, cuda_peak
 from bench.method import Method, load
+from bench.plan import KINDS
 
-KINDS = ("memory", "throughput", "convergence")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 

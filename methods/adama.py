@@ -121,9 +121,6 @@ class AdamAOptimizer(torch.optim.Optimizer):
         self.micro_batches = micro_batches
         self._decayed.clear()
 
-    def remove_hooks(self) -> None:
-        self._release.remove()
-
     # -- moments in their storage format ---------------------------------------------
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -213,8 +210,7 @@ class AdamA(Method):
             raise MethodError("adama: fp16 training needs a GradScaler, which cannot unscale "
                               "gradients that are already folded into the moments; use "
                               "bfloat16 or float32")
-        return AdamAOptimizer(model.parameters(), lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
-                              weight_decay=hp["weight_decay"], v_norm=hp["v_norm"],
+        return AdamAOptimizer(model.parameters(), **self.adam_args, v_norm=hp["v_norm"],
                               state_dtype=hp["state_dtype"])
 
     def train_step(self, model, optimizer, batch):

@@ -16,10 +16,8 @@ class AdamW8bit(Method):
 
     def make_optimizer(self, model):
         bnb = require_package("bitsandbytes", "bitsandbytes==0.50.2", self.name)
-        hp = self.hp
-        return bnb.optim.AdamW8bit(model.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]),
-                                   eps=hp["eps"], weight_decay=hp["weight_decay"],
-                                   min_8bit_size=hp["min_8bit_size"])
+        return bnb.optim.AdamW8bit(model.parameters(), **self.adam_args,
+                                   min_8bit_size=self.hp["min_8bit_size"])
 
 
 METHOD = AdamW8bit

@@ -222,9 +222,7 @@ class GaLore(Method):
                     target_modules=list(TARGET_MODULES))
 
     def make_optimizer(self, model):
-        hp = self.hp
-        return GaLoreAdamW(param_groups(model, hp), lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
-                           weight_decay=hp["weight_decay"])
+        return GaLoreAdamW(param_groups(model, self.hp), **self.adam_args)
 
 
 METHOD = GaLore

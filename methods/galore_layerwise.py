@@ -41,9 +41,6 @@ class LayerwiseGaLoreAdamW(GaLoreAdamW):
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass  # gradients are released inside backward
 
-    def remove_hooks(self) -> None:
-        self._release.remove()
-
 
 class GaLoreLayerwise(GaLore):
     defaults = {**GaLore.defaults, "micro_batches": 1}
@@ -55,8 +52,7 @@ class GaLoreLayerwise(GaLore):
                               f"the update runs inside every backward, so each micro-batch would make "
                               f"its own optimizer step; use micro_batches=1 (or galore, which "
                               f"accumulates, stacked with grad_accum)")
-        return LayerwiseGaLoreAdamW(param_groups(model, hp), lr=hp["lr"], betas=hp["betas"],
-                                    eps=hp["eps"], weight_decay=hp["weight_decay"])
+        return LayerwiseGaLoreAdamW(param_groups(model, hp), **self.adam_args)
 
     def train_step(self, model, optimizer, batch):
         loss = lm_loss(model, batch)

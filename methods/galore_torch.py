@@ -46,8 +46,7 @@ class GaLoreTorch(Method):
         groups = [{"params": rest},
                   {"params": projected, "rank": hp["rank"], "update_proj_gap": hp["update_proj_gap"],
                    "scale": hp["scale"], "proj_type": hp["proj_type"]}]
-        return GaLoreAdamW([g for g in groups if g["params"]], lr=hp["lr"], betas=tuple(hp["betas"]),
-                           eps=hp["eps"], weight_decay=hp["weight_decay"], correct_bias=True,
+        return GaLoreAdamW([g for g in groups if g["params"]], **self.adam_args, correct_bias=True,
                            no_deprecation_warning=True)
 
     def state_tensors(self, optimizer):

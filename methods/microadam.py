@@ -308,8 +308,7 @@ class MicroAdam(Method):
 
     def make_optimizer(self, model):
         hp = self.hp
-        return MicroAdamOptimizer(model.parameters(), lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
-                                  weight_decay=hp["weight_decay"], m=hp["m"], k=hp["k"],
+        return MicroAdamOptimizer(model.parameters(), **self.adam_args, m=hp["m"], k=hp["k"],
                                   alpha=hp["alpha"], topk_block=hp["topk_block"],
                                   quant_block=hp["quant_block"])
 

@@ -17,9 +17,7 @@ class OptimiAccumulation(Method):
 
     def make_optimizer(self, model):
         optimi = require_package("optimi", "torch-optimi==0.3.3", self.name)
-        hp = self.hp
-        optimizer = optimi.AdamW(model.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
-                          weight_decay=hp["weight_decay"], gradient_release=True)
+        optimizer = optimi.AdamW(model.parameters(), **self.adam_args, gradient_release=True)
         # the memory tracker's own gradient hooks may already be registered
         optimi.prepare_for_gradient_release(model, optimizer, ignore_existing_hooks=True)
         return optimizer
