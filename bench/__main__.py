@@ -35,7 +35,8 @@ def parser() -> argparse.ArgumentParser:
                     "exit code is 0 so a workflow goes on.",
         epilog="kinds: memory = peak bytes by category over a warm-up and a measured step; "
                "throughput = median step time over timed steps after warm-up; "
-               "convergence = loss per step. Methods: " + ", ".join(available()) +
+               "convergence = loss per step; capacity = largest batch that fits each of --memory-gb. "
+               "Methods: " + ", ".join(available()) +
                " (stack with '+', e.g. checkpointing+grad_accum; fix hyperparameters with '@', "
                "e.g. galore@rank=8).")
     p.add_argument("--kind", required=True, choices=KINDS)
@@ -56,8 +57,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-gb", type=float, default=None,
                    help="memory capacity in GiB: over it the job records status oom")
     p.add_argument("--simulate", action="store_true",
-                   help="memory kind: run the step on fake tensors (no memory is allocated; "
-                        "tier 'simulated'), so paper-sized models fit on a laptop")
+                   help="memory and capacity kinds: run the step on fake tensors (no memory is "
+                        "allocated; tier 'simulated'), so paper-sized models fit on a laptop; "
+                        "what a GPU would need is predicted by a model of CUDA's caching allocator")
+    p.add_argument("--memory-gb", type=float, nargs="+", default=[], metavar="GB",
+                   help="capacity kind: memory sizes in GiB to find the largest batch for "
+                        "(--batch-size is then the largest batch tried)")
     p.add_argument("--steps", type=int, default=100, help="convergence: steps; throughput: timed steps")
     p.add_argument("--warmup-steps", type=int, default=2, help="throughput: untimed steps first")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -74,7 +79,8 @@ def main(argv=None) -> int:
               seq_len=args.seq_len, seed=args.seed, device=args.device, dtype=args.dtype,
               task=args.task, attn_implementation=args.attn_implementation, dropout=args.dropout,
               hparams=dict(args.hparam), capacity_gb=args.capacity_gb, steps=args.steps,
-              warmup_steps=args.warmup_steps, threads=args.threads, simulate=args.simulate)
+              warmup_steps=args.warmup_steps, threads=args.threads, simulate=args.simulate,
+              memory_gb=args.memory_gb)
     print(f"membench: {job.kind} {job.method} on {job.model} (batch {job.batch_size}, "
           f"seq {job.seq_len}, seed {job.seed}, {job.device})", file=sys.stderr, flush=True)
     record = run(job)

@@ -1,5 +1,6 @@
-"""Result files -> tidy tables: `summary.csv` (one row per job) and `curves.csv`
-(one row per convergence step). The README documents every column."""
+"""Result files -> tidy tables: `summary.csv` (one row per job; a capacity job gives one
+row per memory size) and `curves.csv` (one row per convergence step). The README
+documents every column."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,8 @@ SUMMARY_COLUMNS = [
     "dtype", "device", "device_name", "memory_tier", "capacity_gb", "peak_bytes", "param_bytes",
     "grad_bytes", "optimizer_bytes", "activation_bytes", "other_bytes", "first_step_peak_bytes",
     "reserved_peak_bytes", "alloc_retries", "tokens_per_s", "step_time_median_s",
-    "step_time_q1_s", "step_time_q3_s", "task", "steps", "final_loss", "loss_floor", "status",
+    "step_time_q1_s", "step_time_q3_s", "largest_batch", "at_max_batch", "task", "steps",
+    "final_loss", "loss_floor", "status",
     "message", "seed", "commit", "torch_version", "date", "wall_time_s", "hparams", "result_file",
 ]
 CURVE_COLUMNS = ["method", "model", "task", "seed", "batch_size", "seq_len", "step", "wall_s",
@@ -41,13 +43,26 @@ def summary_row(record: dict, path: str) -> dict:
         "first_step_peak_bytes": record.get("first_step_peak_bytes"),
         **{k: thr.get(k) for k in ("tokens_per_s", "step_time_median_s", "step_time_q1_s",
                                    "step_time_q3_s")},
-        "task": job["task"], "steps": job["steps"] if job["kind"] != "memory" else None,
+        "task": job["task"], "steps": job["steps"] if job["kind"] in ("throughput", "convergence") else None,
         "final_loss": record.get("final_loss"), "loss_floor": record.get("loss_floor"),
         "status": record["status"], "message": record.get("message"), "seed": job["seed"],
         "commit": prov.get("commit"), "torch_version": prov.get("torch_version"),
         "date": prov.get("date"), "wall_time_s": record.get("wall_time_s"),
         "hparams": json.dumps(hp, sort_keys=True), "result_file": path,
     }
+
+
+def summary_rows(record: dict, path: str) -> list[dict]:
+    """A job's rows: one, or for a capacity job one per memory size, where `capacity_gb`
+    is the size, `largest_batch` the answer and `peak_bytes` what that batch needs."""
+    row = summary_row(record, path)
+    found = record.get("capacity")
+    if record["job"]["kind"] != "capacity" or not found:
+        return [row]
+    row["memory_tier"] = found["tier"]
+    return [{**row, "capacity_gb": size["memory_gb"], "largest_batch": size["largest_batch"],
+             "at_max_batch": size["at_max_batch"], "peak_bytes": size["needed_bytes_at_largest"]}
+            for size in found["sizes"]] or [row]
 
 
 def curve_rows(record: dict) -> list[dict]:
@@ -62,7 +77,7 @@ def aggregate(paths: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
     summary, curves = [], []
     for path in sorted(paths):
         record = results.read(path)
-        summary.append(summary_row(record, str(path)))
+        summary.extend(summary_rows(record, str(path)))
         curves.extend(curve_rows(record))
     return (pd.DataFrame(summary, columns=SUMMARY_COLUMNS),
             pd.DataFrame(curves, columns=CURVE_COLUMNS))

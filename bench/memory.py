@@ -22,7 +22,8 @@ A storage's category is the latest label it received; params and inputs register
 hand keep theirs. The tracker works on real tensors (the *tracked* tier, CPU) and on
 fake tensors (`FakeTensorMode`, the *simulated* tier): it only reads sizes.
 What it cannot see: the allocator (caching, fragmentation, CUDA context, library
-workspaces). On CUDA the *measured* tier adds the allocator's own peak beside it.
+workspaces). On CUDA the *measured* tier adds the allocator's own peak beside it; on
+fake tensors, `events=` records the allocation order for `bench.allocator` to replay.
 """
 from __future__ import annotations
 
@@ -70,10 +71,12 @@ class MemoryTracker(TorchDispatchMode):
     memory cap: going over it raises `CapacityExceeded`.
     """
 
-    def __init__(self, capacity_bytes: int | None = None, round_to: int = 1):
+    def __init__(self, capacity_bytes: int | None = None, round_to: int = 1,
+                 events: list | None = None):
         super().__init__()
         self.capacity_bytes = capacity_bytes
         self.round_to = round_to
+        self.events = events  # if a list: ("alloc", key, nbytes) and ("free", key), in order
         self._live: dict[int, list] = {}  # storage key -> [bytes, category, pinned]
         self._totals = dict.fromkeys(CATEGORIES, 0)
         self.current = 0
@@ -100,6 +103,8 @@ class MemoryTracker(TorchDispatchMode):
         self._live[key] = [size, category, pinned]
         self._totals[category] += size
         self.current += size
+        if self.events is not None:
+            self.events.append(("alloc", key, storage.nbytes()))
         weakref.finalize(storage, self._free, key)
         if self.current > self.peak:
             self.peak = self.current
@@ -119,6 +124,8 @@ class MemoryTracker(TorchDispatchMode):
         if entry is not None:
             self._totals[entry[1]] -= entry[0]
             self.current -= entry[0]
+            if self.events is not None:
+                self.events.append(("free", key))
 
     def register(self, tensors, category: str) -> None:
         """Count tensors created before tracking (inputs, buffers) under a fixed category."""

@@ -13,6 +13,8 @@ it changes; the defaults are plain AdamW training with optional gradient accumul
 - `state_tensors(optimizer)`: the persistent optimizer state, counted as `optimizer`
   memory. Default: every tensor in `optimizer.state`.
 - `incompatible`: names of methods it cannot be stacked with.
+- `report`: what the method found worth saying about this run (e.g. which layers it
+  replaced); stored in the result as `method_report`.
 
 Methods stack with `+` (`checkpointing+grad_accum`): model transforms apply left to
 right; at most one member may provide the optimizer and at most one the step; their
@@ -42,6 +44,7 @@ class Method:
     def __init__(self):
         self.name = type(self).__module__.rsplit(".", 1)[-1]
         self.hp = {**BASE_DEFAULTS, **self.defaults}
+        self.report: dict = {}
 
     # -- what a method may override ---------------------------------------------
     def transform_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -132,6 +135,10 @@ class Stack(Method):
         self.hp = hp
         for m in members:
             m.hp = hp  # one shared dict: an override reaches every member
+
+    @property
+    def report(self) -> dict:
+        return {m.name: m.report for m in self.members if m.report}
 
     def transform_model(self, model):
         for m in self.members:

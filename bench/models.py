@@ -14,6 +14,9 @@ MODELS: dict[str, tuple[str, dict]] = {
     "gpt2-medium": ("gpt2", dict(n_layer=24, n_embd=1024, n_head=16)),
     "gpt2-large": ("gpt2", dict(n_layer=36, n_embd=1280, n_head=20)),
     "gpt2-xl": ("gpt2", dict(n_layer=48, n_embd=1600, n_head=25)),
+    # larger shapes of the GPT-3 paper (Brown et al. 2020, Table 2.1) on the GPT-2 architecture
+    "gpt2-2.7b": ("gpt2", dict(n_layer=32, n_embd=2560, n_head=32)),
+    "gpt2-6.7b": ("gpt2", dict(n_layer=32, n_embd=4096, n_head=32)),
     # BERT (Devlin et al. 2019), masked-LM head
     "bert-tiny": ("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
                                intermediate_size=512, vocab_size=256, max_position_embeddings=512)),
@@ -21,6 +24,11 @@ MODELS: dict[str, tuple[str, dict]] = {
                                intermediate_size=3072)),
     "bert-large": ("bert", dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16,
                                 intermediate_size=4096)),
+    # Megatron-BERT sizes (Shoeybi et al. 2019, Table 4)
+    "bert-1.3b": ("bert", dict(num_hidden_layers=24, hidden_size=2048, num_attention_heads=32,
+                               intermediate_size=8192)),
+    "bert-3.9b": ("bert", dict(num_hidden_layers=48, hidden_size=2560, num_attention_heads=40,
+                               intermediate_size=10240)),
     # LLaMA sizes of GaLore (Zhao et al. 2024, configs/llama_*.json)
     "llama-tiny": ("llama", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
                                  intermediate_size=344, vocab_size=256)),
@@ -34,6 +42,13 @@ MODELS: dict[str, tuple[str, dict]] = {
                                intermediate_size=5461)),
     "llama-7b": ("llama", dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
                                intermediate_size=11008)),
+    # larger LLaMA sizes (Touvron et al. 2023, Table 2)
+    "llama-13b": ("llama", dict(num_hidden_layers=40, hidden_size=5120, num_attention_heads=40,
+                                intermediate_size=13824)),
+    "llama-33b": ("llama", dict(num_hidden_layers=60, hidden_size=6656, num_attention_heads=52,
+                                intermediate_size=17920)),
+    "llama-65b": ("llama", dict(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
+                                intermediate_size=22016)),
 }
 
 # Objective each family trains with.

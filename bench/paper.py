@@ -19,7 +19,8 @@ import yaml
 
 from bench.plots import FIGURES
 from bench.results import write_text_atomic
-from bench.tables import (BASELINE, CATEGORIES, claim_table, convergence_table, memory_table,
+from bench.tables import (BASELINE, CAPACITY_REFERENCE_BATCH, CATEGORIES, capacity_table,
+                          largest_model_table, claim_table, convergence_table, memory_table,
                          method_order, model_order, read_summary, throughput_table)
 
 FIGURE_CAPTIONS = {
@@ -27,6 +28,9 @@ FIGURE_CAPTIONS = {
     "memory_breakdown": "Peak memory by category, per model and batch size.",
     "throughput_relative": f"Tokens/s relative to {BASELINE}, with the step-time IQR.",
     "convergence": "Training loss per optimizer step, with the loss floor where known.",
+    "capacity_batch": "The largest batch that fits, per memory size, model and method.",
+    "capacity_model": f"The largest model of each family that trains at batch "
+                      f"{CAPACITY_REFERENCE_BATCH}, per memory size and method.",
 }
 
 
@@ -180,6 +184,55 @@ def convergence_section(summary: pd.DataFrame) -> str:
             + markdown_table(rows, CONVERGENCE_HEADER, "lllrlrrrr"))
 
 
+def capacity_section(summary: pd.DataFrame) -> str:
+    table = largest_model_table(summary)
+    if table.empty:
+        return "_No capacity jobs._"
+    lines, rows = [], []
+    for key, g in table.groupby(["family", "seq_len", "dtype", "memory_tier", "capacity_gb"],
+                                dropna=False, sort=True):
+        family, seq, dtype, tier, gb = key
+        ok = g[g["n_params"] > 0]
+        base = g[g["method"] == BASELINE]
+        base_n = float(base["n_params"].iloc[0]) if len(base) else None
+        if len(ok):
+            top = ok[ok["n_params"] == ok["n_params"].max()]
+            names = ", ".join(method_order(top["method"]))
+            best = top.iloc[0]
+            if base.empty:
+                versus = f"no {BASELINE} run"
+            elif base_n == 0:
+                versus = f"{BASELINE} trains none of the sizes tried"
+            else:
+                versus = (f"{best['n_params'] / base_n:.2f}x the parameters of {BASELINE}'s "
+                          f"{base['model'].iloc[0]}")
+            lines.append(f"- {gb:g} GiB, {family} (seq {integer(seq)}, {dtype}, {tier}): "
+                         f"{names} train{'s' if len(top) == 1 else ''} {best['model']} "
+                         f"({best['n_params'] / 1e9:.2f} B parameters"
+                         f"{', the largest size tried' if best['is_largest_tried'] else ''}); "
+                         f"{versus}.")
+        else:
+            lines.append(f"- {gb:g} GiB, {family} (seq {integer(seq)}, {dtype}, {tier}): "
+                         "no method trains even the smallest size tried.")
+    cap = capacity_table(summary)
+    for _, r in _ordered(cap, summary, ["model", "seq_len", "capacity_gb"]).iterrows():
+        batch = integer(r["largest_batch"])
+        if r["at_max_batch"] == 1:
+            batch = f">= {batch}"
+        rows.append([r["model"], integer(r["seq_len"]), r["dtype"], r["memory_tier"],
+                     num(r["capacity_gb"], "g"), r["method"], integer(r["micro_batches"]),
+                     r["status"], batch])
+    return ("Largest model of each family that trains at batch "
+            f"{CAPACITY_REFERENCE_BATCH}, per memory size (headline), then the largest batch "
+            "per model, method and memory size. Each answer is a search's boundary: that "
+            "batch fits and one micro-batch more does not, both run. In the simulated tier a "
+            "run fits when its allocations, replayed through a model of PyTorch's CUDA "
+            "caching allocator, stay within the memory size minus 0.5 GiB of CUDA context "
+            "(an assumption until calibrated on a GPU).\n\n" + "\n".join(lines) + "\n\n"
+            + markdown_table(rows, ["model", "seq", "dtype", "tier", "memory GiB", "method",
+                                    "micro-batches", "status", "largest batch"], "lrllrlrlr"))
+
+
 FAILED_HEADER = ["kind", "method", "model", "task", "batch", "seed", "status", "message"]
 
 
@@ -224,6 +277,7 @@ def report(summary: pd.DataFrame, source: str, out: Path, figures: Path,
         "## Peak memory", memory_section(summary),
         "## Throughput", throughput_section(summary),
         "## Convergence", convergence_section(summary),
+        "## Capacity: what fits in a GPU's memory", capacity_section(summary),
         "## Failed jobs", failed_section(summary),
     ]
     return "\n\n".join(sections) + "\n"

@@ -16,7 +16,7 @@ from bench.models import MODELS, max_positions
 REPO = Path(__file__).resolve().parent.parent
 METHODS_DIR = REPO / "methods"
 SCHEMA = REPO / "config" / "schema.yaml"
-KINDS = ("memory", "throughput", "convergence")
+KINDS = ("memory", "throughput", "convergence", "capacity")
 
 
 class ConfigError(ValueError):
@@ -114,8 +114,11 @@ def plan(config: dict) -> dict[str, list[str]]:
         for task in section.get("tasks", ["markov"]):
             for model in section["models"]:
                 for method in kind_methods:
-                    for batch in section["batch_sizes"]:
-                        for seed in section["seeds"]:
+                    # a capacity job searches batch sizes up to max_batch
+                    batches = ([section.get("max_batch", 1024)] if kind == "capacity"
+                               else section["batch_sizes"])
+                    for batch in batches:
+                        for seed in section.get("seeds", [0]):
                             path, args = _job(config, prof, name, kind, section, task, method,
                                               model, batch, seed)
                             jobs[path] = args
@@ -124,6 +127,8 @@ def plan(config: dict) -> dict[str, list[str]]:
 
 def _job(config, prof, profile, kind, section, task, method, model, batch, seed):
     cell = f"{task}-bs{batch}-seq{section['seq_len']}-seed{seed}"
+    if kind == "capacity":
+        cell = f"upto{batch}-seq{section['seq_len']}-seed{seed}"
     args = ["--kind", kind, "--method", method, "--model", model, "--batch-size", str(batch),
             "--seq-len", str(section["seq_len"]), "--seed", str(seed), "--device", prof["device"],
             "--dtype", prof.get("dtype", "float32"),
@@ -138,6 +143,8 @@ def _job(config, prof, profile, kind, section, task, method, model, batch, seed)
         args += ["--steps", str(section["timed_steps"]), "--warmup-steps", str(section["warmup_steps"])]
     if kind == "convergence":
         args += ["--steps", str(section["steps"])]
+    if kind == "capacity":
+        args += ["--memory-gb", *(f"{gb:g}" for gb in section["memory_gb"])]
     for key, value in method_params(config, prof, method).items():
         args += ["--hparam", f"{key}={_json(value)}"]
     return f"results/runs/{profile}/{kind}/{model}/{method}/{cell}.json", args

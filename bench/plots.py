@@ -30,12 +30,14 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from bench.results import atomic_path  # noqa: E402
-from bench.tables import (BASELINE, CATEGORIES, CONVERGENCE_CELL, MEMORY_CELL,  # noqa: E402
-                          THROUGHPUT_CELL, convergence_table, memory_table, method_order,
+from bench.tables import (BASELINE, CAPACITY_REFERENCE_BATCH, CATEGORIES,  # noqa: E402
+                          CONVERGENCE_CELL, MEMORY_CELL, THROUGHPUT_CELL, capacity_table,
+                          convergence_table, largest_model_table, memory_table, method_order,
                           model_order, overview_table, read_curves, read_summary, status_text,
                           throughput_table)
 
-FIGURES = ["overview", "memory_breakdown", "throughput_relative", "convergence"]
+FIGURES = ["overview", "memory_breakdown", "throughput_relative", "convergence",
+           "capacity_batch", "capacity_model"]
 
 DPI = 150
 SMOOTH_POINTS = 50          # curves longer than this get a rolling mean over len // this steps
@@ -588,6 +590,112 @@ def _overview_loss_gap(ax, conv: pd.DataFrame, conv_ok: pd.DataFrame, colors) ->
                     va="top", ha="left", fontsize=8, color="0.3")
 
 
+def _memory_axis(ax, sizes) -> None:
+    sizes = sorted({float(g) for g in sizes})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [f"{g:g}" for g in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("GPU memory (GiB)")
+
+
+def _capacity_lines(ax, part: pd.DataFrame, x: str, y: str, methods, colors, floor: float,
+                    open_marker: pd.Series | None = None) -> None:
+    """One line per method; a point where nothing fits sits on the floor as an x."""
+    for i, method in enumerate(methods):
+        rows = part[part["method"] == method].sort_values(x)
+        if rows.empty:
+            continue
+        values = rows[y].astype(float).where(rows[y] > 0, floor)
+        ax.plot(rows[x], values, color=colors[method], marker=MARKERS[i % len(MARKERS)],
+                linestyle=LINESTYLES[i % len(LINESTYLES)], linewidth=1.4, markersize=5,
+                label=method)
+        none = rows[rows[y] <= 0]
+        ax.scatter(none[x], [floor] * len(none), marker="x", color=FAIL_COLOR, zorder=5, s=30)
+        if open_marker is not None:
+            capped = rows[open_marker.reindex(rows.index).fillna(False).astype(bool)]
+            ax.scatter(capped[x], capped[y], marker="^", s=70, facecolors="none",
+                       edgecolors=colors[method], zorder=5)
+
+
+def figure_capacity_batch(summary: pd.DataFrame) -> plt.Figure:
+    """Largest batch that fits vs GPU memory, one panel per model, a line per method."""
+    title = "Largest batch that fits, per GPU memory size"
+    table = capacity_table(summary)
+    if table.empty:
+        return no_data_figure(title, "no capacity jobs in the summary")
+    methods = method_order(table["method"])
+    models = model_order(summary, table["model"])
+    colors = method_colors(methods)
+    cells = (table.assign(_m=table["model"].map(models.index))
+             .sort_values(["_m", "seq_len"])[["model", "seq_len", "dtype", "memory_tier"]]
+             .drop_duplicates().to_dict("records"))
+    fig, axes = _grid(len(cells), 4, 4.2, 3.4)
+    for ax, cell in zip(axes, cells):
+        part = table[_key_match(table, cell, list(cell))]
+        _capacity_lines(ax, part, "capacity_gb", "largest_batch", methods, colors, 0.5,
+                        part["at_max_batch"])
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+            lambda v, _: "none" if v < 1 else f"{v:g}"))
+        _memory_axis(ax, part["capacity_gb"])
+        ax.set_ylabel("largest batch (sequences)")
+        ax.set_title(f"{cell['model']} · seq {_fmt_num(cell['seq_len'])} · {cell['dtype']}",
+                     fontsize=10)
+    tiers = ", ".join(sorted(set(table["memory_tier"].dropna()))) or "unknown"
+    handles = [Line2D([], [], color=colors[m], marker=MARKERS[i % len(MARKERS)],
+                      linestyle=LINESTYLES[i % len(LINESTYLES)], label=m)
+               for i, m in enumerate(methods)]
+    _finish(fig, f"{title} (memory tier: {tiers})",
+            "Each point is a search's answer: that batch fits and the next one (one more "
+            "micro-batch) does not, both run. x on the floor: not even one micro-batch fits. "
+            "Open triangle: the search's largest batch fitted, so the answer is at least that. "
+            "Simulated tier: what a CUDA GPU needs is predicted by replaying the step's "
+            "allocations through a model of PyTorch's caching allocator, plus 0.5 GiB of "
+            "CUDA context (an assumption, not yet calibrated on a GPU).",
+            handles, ncol=min(len(methods), 5), title="method")
+    return fig
+
+
+def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
+    """Largest model of each family that trains at the reference batch vs GPU memory."""
+    title = f"Largest model that trains at batch {CAPACITY_REFERENCE_BATCH}, per GPU memory size"
+    table = largest_model_table(summary)
+    if table.empty:
+        return no_data_figure(title, "no capacity jobs in the summary")
+    methods = method_order(table["method"])
+    colors = method_colors(methods)
+    cells = table[["family", "seq_len", "dtype", "memory_tier"]].drop_duplicates().to_dict("records")
+    tried = capacity_table(summary)[["family", "seq_len", "dtype", "memory_tier", "model",
+                                     "n_params"]].drop_duplicates()
+    fig, axes = _grid(len(cells), 3, 5.6, 0.5 * tried.groupby("family")["model"].nunique().max() + 2.6)
+    for ax, cell in zip(axes, cells):
+        part = table[_key_match(table, cell, list(cell))].assign(
+            billions=lambda t: t["n_params"] / 1e9)
+        sizes = (tried[_key_match(tried, cell, list(cell))].dropna(subset=["n_params"])
+                 .sort_values("n_params"))
+        floor = 0.5 * sizes["n_params"].min() / 1e9 if len(sizes) else 0.01
+        _capacity_lines(ax, part, "capacity_gb", "billions", methods, colors, floor,
+                        part["is_largest_tried"])
+        ax.set_yscale("log")
+        ax.set_yticks([floor] + list(sizes["n_params"] / 1e9),
+                      ["none"] + [f"{m} ({n / 1e9:.2g} B)" for m, n in
+                                  zip(sizes["model"], sizes["n_params"])])
+        ax.minorticks_off()
+        _memory_axis(ax, part["capacity_gb"])
+        ax.set_ylabel("largest model that trains (parameters)")
+        ax.set_title(f"{cell['family']} family · seq {_fmt_num(cell['seq_len'])} · "
+                     f"{cell['dtype']} · {int(part['n_models'].max())} sizes tried", fontsize=10)
+    handles = [Line2D([], [], color=colors[m], marker=MARKERS[i % len(MARKERS)],
+                      linestyle=LINESTYLES[i % len(LINESTYLES)], label=m)
+               for i, m in enumerate(methods)]
+    _finish(fig, title,
+            "The family's sizes are the named configurations the sweep tried (bench/models.py); "
+            "a step up means the next size fits. x on the floor: the smallest size tried does "
+            "not fit. Open triangle: the largest size tried fits, so the answer is at least it.",
+            handles, ncol=min(len(methods), 5), title="method")
+    return fig
+
+
 def builders(summary: pd.DataFrame, curves: pd.DataFrame) -> dict:
     """Figure name -> a function drawing it, in the order of `FIGURES`."""
     table = {
@@ -595,6 +703,8 @@ def builders(summary: pd.DataFrame, curves: pd.DataFrame) -> dict:
         "memory_breakdown": lambda: figure_memory_breakdown(summary),
         "throughput_relative": lambda: figure_throughput_relative(summary),
         "convergence": lambda: figure_convergence(summary, curves),
+        "capacity_batch": lambda: figure_capacity_batch(summary),
+        "capacity_model": lambda: figure_capacity_model(summary),
     }
     assert list(table) == FIGURES
     return table
@@ -608,7 +718,9 @@ def main(argv=None) -> int:
                     "when its kind has no rows (the figure then says so).",
         epilog="overview: memory ratio vs throughput ratio per method and model, and the "
                "final-loss gap; memory_breakdown: peak MiB by category; throughput_relative: "
-               f"tokens/s vs {BASELINE}; convergence: loss vs optimizer step with the loss floor.")
+               f"tokens/s vs {BASELINE}; convergence: loss vs optimizer step with the loss floor; "
+               "capacity_batch: largest batch per GPU memory size; capacity_model: largest "
+               f"model of each family at batch {CAPACITY_REFERENCE_BATCH} per memory size.")
     p.add_argument("--summary", required=True, help="summary.csv from bench.aggregate")
     p.add_argument("--curves", help="curves.csv from bench.aggregate (optional; without it "
                                     "the convergence figure lists jobs but draws no curves)")

@@ -8,6 +8,8 @@ Kinds:
   paper-sized models can be measured on a laptop).
 - ``throughput``: warm-up steps, then timed steps; median step time and tokens/s.
 - ``convergence``: `steps` training steps on fresh batches; loss and wall time per step.
+- ``capacity``: for each of `memory_gb`, the largest batch (up to `batch_size`) whose
+  memory job fits, found by search (`bench.capacity`), in the job's tier.
 
 Failure is data: running out of memory (real, or over `capacity_gb`), a non-finite loss
 and any exception become a result with status ``oom``, ``diverged`` or ``error`` and the
@@ -24,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from bench import data, models, results
+from bench import allocator, data, models, results
 from bench.memory import CUDA_BLOCK, CapacityExceeded, MemoryTracker, cuda_peak
 from bench.method import Method, load
 from bench.plan import KINDS
@@ -51,7 +53,8 @@ class Job:
     warmup_steps: int = 2  # throughput only
     threads: int | None = None
     log_every: int = 25
-    simulate: bool = False  # memory only: run on fake tensors (tier `simulated`)
+    simulate: bool = False  # memory and capacity: run on fake tensors (tier `simulated`)
+    memory_gb: list[float] = field(default_factory=list)  # capacity: memory sizes, GiB
 
 
 class Diverged(RuntimeError):
@@ -62,9 +65,10 @@ class Diverged(RuntimeError):
         self.partial = partial or {}
 
 
-def run(job: Job, method: Method | None = None) -> dict:
+def run(job: Job, method: Method | None = None, events: list | None = None) -> dict:
     """Run `job` and return its result record. `method` replaces loading `job.method`
-    (tests use it to run methods that are not modules)."""
+    (tests use it to run methods that are not modules); a memory job appends its
+    allocations and frees to `events` (see `MemoryTracker`)."""
     started = time.perf_counter()
     if job.threads:
         torch.set_num_threads(job.threads)
@@ -75,14 +79,17 @@ def run(job: Job, method: Method | None = None) -> dict:
             raise ValueError(f"unknown kind {job.kind!r}; known: {', '.join(KINDS)}")
         method = method or load(job.method, job.hparams)
         record["hparams"] = {k: list(v) if isinstance(v, tuple) else v for k, v in method.hp.items()}
-        if job.simulate and (job.kind != "memory" or job.device != "cpu"):
-            raise ValueError("simulate applies to memory jobs on the cpu device only "
-                             "(fake CUDA tensors need a GPU for backward)")
+        if job.simulate and (job.kind not in ("memory", "capacity") or job.device != "cpu"):
+            raise ValueError("simulate applies to memory and capacity jobs on the cpu device "
+                             "only (fake CUDA tensors need a GPU for backward)")
+        if job.kind == "capacity":
+            record.update(_capacity(job, method))
+            return _finish(record, job, method, started)
         fake = _fake_mode() if job.simulate else None
         model, stream = _setup(job, method, fake)
         record["n_params"] = models.n_params(model)
         if job.kind == "memory":
-            record.update(_memory(job, method, model, stream, fake))
+            record.update(_memory(job, method, model, stream, fake, events))
         else:
             measure = {"throughput": _throughput, "convergence": _convergence}[job.kind]
             record.update(measure(job, method, model, stream))
@@ -93,9 +100,28 @@ def run(job: Job, method: Method | None = None) -> dict:
     except Exception as e:  # failure is data: keep the message, let the DAG go on
         record.update(status="error", message=f"{type(e).__name__}: {_first_line(e)}",
                       traceback=traceback.format_exc(limit=-6))
+    return _finish(record, job, method, started)
+
+
+def _finish(record: dict, job: Job, method: Method | None, started: float) -> dict:
+    if method is not None and method.report:
+        record["method_report"] = method.report
     record["provenance"] = results.provenance(job.device)
     record["wall_time_s"] = time.perf_counter() - started
     return record
+
+
+def _capacity(job: Job, method: Method) -> dict:
+    from bench import capacity
+
+    if not job.memory_gb:
+        raise ValueError("a capacity job needs memory sizes (memory_gb)")
+    found = capacity.search(job, job.memory_gb, job.batch_size, method.hp["micro_batches"])
+    first = next((r for r in found["runs"] if r.get("n_params")), {})
+    out = {"capacity": found, "n_params": first.get("n_params")}
+    if found["error"]:
+        out.update(status="error", message=found["error"])
+    return out
 
 
 def _first_line(e: BaseException) -> str:
@@ -152,10 +178,15 @@ def _checked(loss: torch.Tensor, step: int) -> float:
     return value
 
 
-def _memory(job: Job, method: Method, model, stream, fake=None) -> dict:
+def _memory(job: Job, method: Method, model, stream, fake=None, events=None) -> dict:
     cuda = job.device.startswith("cuda") and fake is None
-    capacity = None if (cuda or not job.capacity_gb) else int(job.capacity_gb * 2**30)
-    tracker = MemoryTracker(capacity_bytes=capacity, round_to=CUDA_BLOCK if cuda else 1)
+    # a real CPU run is capped by the tracker; a simulated one by the allocator model below
+    capped = job.capacity_gb and not cuda and fake is None
+    capacity = int(job.capacity_gb * 2**30) if capped else None
+    if fake is not None and events is None:
+        events = []
+    tracker = MemoryTracker(capacity_bytes=capacity, round_to=CUDA_BLOCK if cuda else 1,
+                            events=events)
     batches = [_next_batch(stream, job.device) for _ in range(2)]
     if fake is not None:
         batches = [{k: fake.from_tensor(v) for k, v in b.items()} for b in batches]
@@ -181,6 +212,8 @@ def _memory(job: Job, method: Method, model, stream, fake=None) -> dict:
     split = tracker.peak_split.as_row()
     tier = "tracked" if fake is None else "simulated"
     out["memory"] = {"tier": tier, **split, "tracked_peak_bytes": split["peak_bytes"]}
+    if fake is not None:
+        out["memory"].update(_predict_gpu(events, job.capacity_gb))
     if cuda:
         # The allocator's peak is what a GPU needs; what the tracker cannot attribute
         # (allocator rounding beyond 512 B, library workspaces) is counted as other.
@@ -188,6 +221,28 @@ def _memory(job: Job, method: Method, model, stream, fake=None) -> dict:
         known = sum(split[f"{c}_bytes"] for c in ("param", "grad", "optimizer", "activation"))
         out["memory"].update(tier="measured", peak_bytes=peak, other_bytes=peak - known, **allocator)
     return out
+
+
+def _predict_gpu(events: list, capacity_gb: float | None) -> dict:
+    """What a CUDA GPU would need for this simulated run: the allocation trace replayed
+    through the caching-allocator model, plus the CUDA context; over `capacity_gb`, the
+    run is an (predicted) out-of-memory."""
+    free_run = allocator.replay(events)
+    predicted = {"predicted_allocated_peak_bytes": free_run.allocated_peak_bytes,
+                 "reserved_peak_bytes": free_run.reserved_peak_bytes,
+                 "context_bytes": allocator.CUDA_CONTEXT_BYTES,
+                 "predicted_gpu_bytes": free_run.reserved_peak_bytes + allocator.CUDA_CONTEXT_BYTES}
+    if capacity_gb:
+        capped = allocator.replay(events, int(capacity_gb * 2**30) - allocator.CUDA_CONTEXT_BYTES)
+        if not capped.fits:
+            raise CapacityExceeded(
+                f"predicted out of memory on a {capacity_gb:g} GiB GPU: a {capped.failed_request_bytes:,}"
+                f"-byte allocation does not fit (allocator model, {allocator.CUDA_CONTEXT_BYTES:,} "
+                f"bytes of CUDA context)")
+        predicted["alloc_retries"] = capped.alloc_retries
+    else:
+        predicted["alloc_retries"] = free_run.alloc_retries
+    return predicted
 
 
 def _throughput(job: Job, method: Method, model, stream) -> dict:

@@ -226,6 +226,51 @@ def overview_table(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["method", "model", "mem_ratio", "thr_ratio", "note"])
 
 
+CAPACITY_CELL = ["family", "seq_len", "dtype", "memory_tier", "capacity_gb"]
+# The batch at which "the largest model that fits" is read: 8 sequences, which every
+# method's micro-batch count divides (the same global batch for all).
+CAPACITY_REFERENCE_BATCH = 8
+
+
+def capacity_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per (method, model, memory size) of the capacity jobs: the largest batch
+    that fits (0: none; `at_max_batch`: the search's cap fitted, so at least that)."""
+    cap = summary[summary["kind"] == "capacity"]
+    cols = ["method", "model", "family", "n_params", "seq_len", "dtype", "memory_tier",
+            "capacity_gb", "largest_batch", "at_max_batch", "micro_batches", "status", "message"]
+    return cap.reindex(columns=cols).reset_index(drop=True)
+
+
+def largest_model_table(summary: pd.DataFrame, batch: int = CAPACITY_REFERENCE_BATCH) -> pd.DataFrame:
+    """Per (family, sequence, dtype, tier, memory size, method): the largest model of the
+    family that trains at `batch` (its largest batch is at least `batch`), among the
+    models the sweep tried; `is_largest_tried` says the biggest tried model fits (so the
+    answer is a lower bound); `pct_vs_baseline` compares its parameter count with AdamW's."""
+    table = capacity_table(summary)
+    cols = CAPACITY_CELL + ["method", "model", "n_params", "n_models", "is_largest_tried",
+                            "status", "pct_vs_baseline"]
+    rows = []
+    for key, g in group_cells(table, CAPACITY_CELL + ["method"]):
+        row = dict(zip(CAPACITY_CELL + ["method"], key))
+        fit = g[(g["status"] == "ok") & (g["largest_batch"] >= batch)]
+        best = fit.loc[fit["n_params"].idxmax()] if len(fit) else None
+        row.update(model=best["model"] if best is not None else None,
+                   n_params=best["n_params"] if best is not None else 0,
+                   n_models=g["model"].nunique(), status=status_text(g["status"]),
+                   is_largest_tried=bool(best is not None and best["n_params"] >= g["n_params"].max()))
+        rows.append(row)
+    out = pd.DataFrame(rows, columns=cols)
+    if out.empty:
+        return out
+    base = out[out["method"] == BASELINE].set_index(CAPACITY_CELL)["n_params"]
+    base_n = out.set_index(CAPACITY_CELL).index.map(lambda k: base.get(k, np.nan))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["pct_vs_baseline"] = (out["n_params"].to_numpy(float) / np.asarray(base_n, float)
+                                  - 1.0) * 100.0
+    out.loc[~np.isfinite(out["pct_vs_baseline"]), "pct_vs_baseline"] = np.nan
+    return out
+
+
 def _paired(frame: pd.DataFrame, method: str, versus: str, keys: list[str], value: str) -> pd.DataFrame:
     """Rows of `method` and `versus` with status ok, side by side on `keys` (value_m, value_v)."""
     ok = frame[frame["status"] == "ok"]

@@ -22,7 +22,7 @@ def test_default_config_plans_every_method_module():
     assert set(plan.available_methods()) <= methods
     assert any("+" in m for m in methods)  # a stack is part of the default sweep
     kinds = {path.split("/")[3] for path in jobs}
-    assert kinds == {"memory", "throughput", "convergence"}
+    assert kinds == {"memory", "throughput", "convergence", "capacity"}
 
 
 @pytest.mark.parametrize("profile", ["quick", "full", "paper-memory", "galore-ranks", "smoke"])

@@ -48,4 +48,4 @@ def test_paper_sized_model_simulates_without_its_memory(tiny_job):
 
 def test_simulate_is_for_memory_on_cpu(tiny_job):
     record = runner.run(tiny_job(kind="throughput", simulate=True))
-    assert record["status"] == "error" and "memory jobs" in record["message"]
+    assert record["status"] == "error" and "memory and capacity jobs" in record["message"]

@@ -1,0 +1,187 @@
+"""A model of PyTorch's CUDA caching allocator, replayed over a step's allocations.
+
+The simulated tier counts live tensor bytes exactly, but a GPU needs more than that: the
+caching allocator rounds every request, carves requests out of larger segments it
+reserves from the driver, and keeps freed blocks cached, so its *reserved* memory (what
+the GPU really gives away) is above the live bytes. This module replays the sequence of
+allocations and frees that `MemoryTracker` records (`events=`) through a model of that
+allocator, default settings, one stream (c10/cuda/CUDACachingAllocator.cpp, torch 2.x):
+
+- a request is rounded up to 512 bytes;
+- requests up to 1 MiB come from the small pool, whose segments are 2 MiB; larger ones
+  from the large pool, whose segments are 20 MiB for requests under 10 MiB, else the
+  request rounded up to 2 MiB;
+- the best-fitting cached free block (smallest that fits, lowest address on ties) is
+  used and split when the rest is worth keeping (small pool: >= 512 bytes; large pool:
+  > 1 MiB); a freed block merges with free neighbours of its segment;
+- when no cached block fits, a new segment is reserved; if that would exceed the limit,
+  every wholly free segment is released and the reservation retried once (an "alloc
+  retry"); if it still does not fit, the allocation fails: out of memory.
+
+What it does not model: the CUDA context (`context_bytes`, added by the caller), library
+workspaces (cuBLAS, cuDNN) that do not show up as tensors, several streams, and
+non-default allocator settings (expandable segments, max_split_size). Those are what a
+calibration on a real GPU measures.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+MIN_BLOCK = 512  # kMinBlockSize
+SMALL_SIZE = 1 << 20  # kSmallSize: largest request served by the small pool
+SMALL_BUFFER = 2 << 20  # kSmallBuffer: small-pool segment
+LARGE_BUFFER = 20 << 20  # kLargeBuffer: segment for requests under MIN_LARGE_ALLOC
+MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
+ROUND_LARGE = 2 << 20  # kRoundLarge
+# Device memory the CUDA context takes before PyTorch allocates anything. An assumption
+# (typical of recent drivers with lazy module loading), not yet calibrated on a GPU.
+CUDA_CONTEXT_BYTES = 512 << 20
+
+
+def round_size(nbytes: int) -> int:
+    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+class _Block:
+    __slots__ = ("segment", "addr", "size", "free", "prev", "next", "small")
+
+    def __init__(self, segment, addr, size, small):
+        self.segment, self.addr, self.size, self.small = segment, addr, size, small
+        self.free, self.prev, self.next = True, None, None
+
+    @property
+    def key(self):
+        return (self.size, self.addr)
+
+
+@dataclass
+class Replay:
+    """What the allocator did over a trace."""
+
+    fits: bool  # no allocation failed under the limit
+    allocated_peak_bytes: int  # peak of rounded live blocks
+    reserved_peak_bytes: int  # peak of reserved segments: what the GPU gives away
+    alloc_retries: int  # times cached segments were released to make room
+    failed_request_bytes: int | None = None  # the request that failed, if one did
+
+
+class CachingAllocator:
+    """Replay allocations (`malloc`/`free` by key) under an optional byte limit."""
+
+    def __init__(self, limit_bytes: int | None = None):
+        self.limit = limit_bytes
+        self.pools = {True: [], False: []}  # small? -> sorted [(size, addr, block)]
+        self.live: dict = {}  # key -> block
+        self.segments: dict[int, int] = {}  # base address -> size
+        self.next_addr = 0
+        self.allocated = self.reserved = 0
+        self.allocated_peak = self.reserved_peak = 0
+        self.retries = 0
+
+    # -- pools --------------------------------------------------------------------
+    def _insert(self, block: _Block) -> None:
+        bisect.insort(self.pools[block.small], (block.size, block.addr, block))
+
+    def _remove(self, block: _Block) -> None:
+        pool = self.pools[block.small]
+        pool.pop(bisect.bisect_left(pool, (block.size, block.addr)))
+
+    def _best_fit(self, size: int, small: bool) -> _Block | None:
+        pool = self.pools[small]
+        i = bisect.bisect_left(pool, (size, -1))
+        if i == len(pool):
+            return None
+        return pool.pop(i)[2]
+
+    # -- segments -----------------------------------------------------------------
+    def _reserve(self, size: int, small: bool) -> _Block | None:
+        seg = segment_size(size)
+        if self.limit is not None and self.reserved + seg > self.limit:
+            return None
+        base = self.next_addr
+        self.next_addr += seg
+        self.segments[base] = seg
+        self.reserved += seg
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        return _Block(base, base, seg, small)
+
+    def _release_cached(self) -> None:
+        for small in (True, False):
+            keep = []
+            for entry in self.pools[small]:
+                block = entry[2]
+                if block.prev is None and block.next is None:  # the whole segment is free
+                    self.reserved -= self.segments.pop(block.segment)
+                else:
+                    keep.append(entry)
+            self.pools[small] = keep
+
+    # -- requests -----------------------------------------------------------------
+    def malloc(self, key, nbytes: int) -> bool:
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        block = self._best_fit(size, small) or self._reserve(size, small)
+        if block is None:
+            self.retries += 1
+            self._release_cached()
+            block = self._reserve(size, small)
+            if block is None:
+                return False
+        rest = block.size - size
+        if (rest >= MIN_BLOCK) if small else (rest > SMALL_SIZE):
+            tail = _Block(block.segment, block.addr + size, rest, small)
+            tail.prev, tail.next = block, block.next
+            if block.next is not None:
+                block.next.prev = tail
+            block.next, block.size = tail, size
+            self._insert(tail)
+        block.free = False
+        self.live[key] = block
+        self.allocated += block.size
+        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        return True
+
+    def free(self, key) -> None:
+        block = self.live.pop(key, None)
+        if block is None:
+            return
+        self.allocated -= block.size
+        block.free = True
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                self._remove(neighbour)
+                if neighbour is block.prev:
+                    neighbour.size += block.size
+                    neighbour.next = block.next
+                    if block.next is not None:
+                        block.next.prev = neighbour
+                    block = neighbour
+                else:
+                    block.size += neighbour.size
+                    block.next = neighbour.next
+                    if neighbour.next is not None:
+                        neighbour.next.prev = block
+        self._insert(block)
+
+
+def replay(events, limit_bytes: int | None = None) -> Replay:
+    """Replay `MemoryTracker` events — ("alloc", key, nbytes) and ("free", key) — through
+    the allocator model; `limit_bytes` is the memory it may reserve (None: unlimited)."""
+    alloc = CachingAllocator(limit_bytes)
+    for event in events:
+        if event[0] == "alloc":
+            if not alloc.malloc(event[1], event[2]):
+                return Replay(False, alloc.allocated_peak, alloc.reserved_peak, alloc.retries,
+                              round_size(event[2]))
+        else:
+            alloc.free(event[1])
+    return Replay(True, alloc.allocated_peak, alloc.reserved_peak, alloc.retries)

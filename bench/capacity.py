@@ -1,0 +1,167 @@
+"""The largest batch that fits, per memory size: a search, not a grid.
+
+`fits(B, C)` asks whether a training step at batch B (a memory job: a warm-up step, then
+a measured step) fits in C GiB. How it is answered depends on the tier:
+
+- simulated (fake tensors, CPU): the run's allocation trace is replayed through the
+  CUDA caching-allocator model (`bench.allocator`) with C minus the CUDA context; one
+  simulation per batch answers every C;
+- tracked (real tensors, CPU): a real run with the tracker capped at C: live tensor
+  bytes over C raise, and that `oom` is "does not fit";
+- measured (CUDA): a real run with the allocator capped at C
+  (`set_per_process_memory_fraction`); an out-of-memory error is "does not fit".
+
+Peak memory is close to linear in the batch (activations grow with it, the rest does
+not), so two probes give a line, the line gives a guess per C, and the search gallops and
+bisects from the guess to the boundary: the answer B fits and B + one unit (the method's micro-batch
+count, since a batch must split into equal micro-batches) does not, both run, not
+extrapolated. Every run is kept in the result as evidence.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import replace
+
+from bench import allocator, runner
+from bench.runner import Job
+
+
+def search(job: Job, memory_gb: list[float], max_batch: int, unit: int) -> dict:
+    """Largest batch (a multiple of `unit`, at most `max_batch`) that fits in each memory
+    size; `job` gives the model, method and settings (its batch size is not used)."""
+    oracle = _Oracle(job)
+    sizes = []
+    for gb in sorted(memory_gb):
+        capacity = int(gb * 2**30)
+        k = _largest(lambda k: oracle.fits(k * unit, capacity),
+                     _guess(oracle, capacity, unit, max_batch), max_batch // unit)
+        best = k * unit
+        print(f"[capacity {job.method} {job.model}] {gb:g} GiB: largest batch {best}"
+              f"{' (the cap)' if best and k == max_batch // unit else ''}; {len(oracle.runs)} runs "
+              f"so far", file=sys.stderr, flush=True)
+        record = oracle.records.get(best) or oracle.capped.get((best, capacity))
+        sizes.append({"memory_gb": gb, "largest_batch": best, "at_max_batch": k == max_batch // unit,
+                      "needed_bytes_at_largest": oracle.need_of(record) if record else None})
+    return {"tier": oracle.tier, "unit": unit, "max_batch": max_batch,
+            "context_bytes": allocator.CUDA_CONTEXT_BYTES if oracle.simulated else 0,
+            "sizes": sizes, "runs": oracle.runs, "error": oracle.error}
+
+
+def _guess(oracle: "_Oracle", capacity: int, unit: int, max_batch: int) -> int:
+    """Units of batch whose need is at most `capacity`, by interpolation on the needs of
+    uncapped runs (probes at one and eight units first, then the points each guess adds):
+    secant steps converge in a few runs even where the need bends (the peak moves from
+    the optimizer step to the backward pass as the batch grows)."""
+    most = max(1, max_batch // unit)
+    oracle.need(unit)
+    oracle.need(min(8, most) * unit)
+    for _ in range(12):
+        points = sorted((b // unit, n) for b, n in oracle.needs().items() if b % unit == 0)
+        below = [(k, n) for k, n in points if n is not None and n <= capacity]
+        above = [(k, n) for k, n in points if n is None or n > capacity]
+        lo = below[-1] if below else (0, None)
+        hi = above[0] if above else None
+        if hi is not None and hi[0] - lo[0] <= 1 or hi is None and lo[0] >= most:
+            return lo[0]
+        line = [p for p in (below[-2:] if hi is None else [lo, hi]) if p[1] is not None]
+        if len(line) == 2 and line[1][1] > line[0][1]:
+            (k0, n0), (k1, n1) = line
+            k = k0 + math.floor((capacity - n0) * (k1 - k0) / (n1 - n0))
+        else:
+            k = 2 * lo[0] if hi is None else (lo[0] + hi[0]) // 2
+        upper = most if hi is None else hi[0] - 1
+        oracle.need(min(max(k, lo[0] + 1), upper) * unit)
+    return lo[0]
+
+
+def _largest(fits, guess: int, most: int) -> int:
+    """Largest k in [0, most] with fits(k), fits being monotone (k = 0 always fits):
+    gallop from the guess to a bracket fits(lo) / not fits(hi), then bisect. With a good
+    guess this runs fits twice: at the answer and one above it."""
+    k = min(max(guess, 1), most)
+    if fits(k):
+        lo, step = k, 1
+        while True:
+            if lo == most:
+                return most
+            hi = min(lo + step, most)
+            if not fits(hi):
+                break
+            lo, step = hi, 2 * step
+    else:
+        hi, step = k, 1
+        while True:
+            lo = max(hi - step, 0)
+            if lo == 0 or fits(lo):
+                break
+            hi, step = lo, 2 * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+class _Oracle:
+    """Runs memory jobs at a batch size (each batch once) and answers fits(B, C)."""
+
+    def __init__(self, job: Job):
+        self.job = replace(job, kind="memory", capacity_gb=None)
+        self.simulated = job.simulate
+        self.cuda = job.device.startswith("cuda")
+        self.tier = "simulated" if self.simulated else ("measured" if self.cuda else "tracked")
+        self.traces: dict[int, list] = {}
+        self.records: dict[int, dict] = {}
+        self.capped: dict[tuple, dict] = {}  # (batch, capacity) -> record of a capped run
+        self.runs: list[dict] = []
+        self.error: str | None = None
+
+    def _record(self, batch: int) -> dict:
+        if batch not in self.records:
+            events = [] if self.simulated else None
+            record = runner.run(replace(self.job, batch_size=batch), events=events)
+            if record["status"] not in ("ok", "oom") and self.error is None:
+                self.error = record["message"]
+            self.records[batch], self.traces[batch] = record, events
+            mem = record.get("memory", {})
+            self.runs.append({"batch_size": batch, "status": record["status"],
+                              "peak_bytes": mem.get("peak_bytes"),
+                              "needed_bytes": self.need_of(record), "capacity_gb": None,
+                              "n_params": record.get("n_params")})
+        return self.records[batch]
+
+    def need_of(self, record: dict) -> int | None:
+        mem = record.get("memory") or {}
+        if record["status"] != "ok":
+            return None
+        if self.simulated:
+            return mem["predicted_gpu_bytes"]
+        return mem.get("reserved_peak_bytes") if self.cuda else mem["peak_bytes"]
+
+    def needs(self) -> dict[int, int | None]:
+        """Batch -> bytes needed, for every uncapped run so far."""
+        return {b: self.need_of(r) for b, r in self.records.items()}
+
+    def need(self, batch: int) -> int | None:
+        """Bytes the step needs at `batch` (None if it failed)."""
+        return self.need_of(self._record(batch))
+
+    def fits(self, batch: int, capacity: int) -> bool:
+        if self.error:
+            return False
+        if self.simulated:
+            self._record(batch)
+            trace = self.traces[batch]
+            if self.records[batch]["status"] != "ok":
+                return False
+            return allocator.replay(trace, capacity - allocator.CUDA_CONTEXT_BYTES).fits
+        key = (batch, capacity)
+        if key not in self.capped:
+            record = runner.run(replace(self.job, batch_size=batch, capacity_gb=capacity / 2**30))
+            if record["status"] not in ("ok", "oom") and self.error is None:
+                self.error = record["message"]
+            self.capped[key] = record
+            self.runs.append({"batch_size": batch, "status": record["status"],
+                              "peak_bytes": record.get("memory", {}).get("peak_bytes"),
+                              "needed_bytes": self.need_of(record), "capacity_gb": capacity / 2**30})
+        return self.capped[key]["status"] == "ok"
