@@ -20,7 +20,7 @@ import yaml
 from bench.plots import FIGURES
 from bench.results import write_text_atomic
 from bench.tables import (BASELINE, CAPACITY_REFERENCE_BATCH, CATEGORIES, capacity_table,
-                          largest_model_table, claim_table, convergence_table, memory_table,
+                          largest_model_table, simulation_accuracy_table, claim_table, convergence_table, memory_table,
                          method_order, model_order, read_summary, throughput_table)
 
 FIGURE_CAPTIONS = {
@@ -233,6 +233,26 @@ def capacity_section(summary: pd.DataFrame) -> str:
                                     "micro-batches", "status", "largest batch"], "lrllrlrlr"))
 
 
+def accuracy_section(summary: pd.DataFrame) -> str:
+    table = simulation_accuracy_table(summary)
+    if table.empty:
+        return ("_No cell has both a simulated and a GPU-measured memory job yet: run the "
+                "`paper-memory` and `full` profiles (their batch-8 cells match) to measure how "
+                "close the simulation is._")
+    rows = [[r["model"], r["method"], integer(r["batch_size"]), integer(r["seq_len"]), r["dtype"],
+             r["device_name"], num(r["peak_bytes_simulated"] / 2**20), num(r["peak_bytes_measured"] / 2**20),
+             num(r["allocated_ratio"], ".3f"), num(r["reserved_peak_bytes_simulated"] / 2**20),
+             num(r["reserved_peak_bytes_measured"] / 2**20), num(r["reserved_ratio"], ".3f")]
+            for _, r in table.iterrows()]
+    return ("The same cells simulated on a CPU and measured on a GPU. Allocated: the tracker's "
+            "simulated peak vs the CUDA allocator's peak allocated bytes; reserved: the "
+            "allocator model's prediction vs the allocator's peak reserved bytes (MiB).\n\n"
+            + markdown_table(rows, ["model", "method", "batch", "seq", "dtype", "GPU",
+                                    "allocated simulated", "allocated measured", "ratio",
+                                    "reserved predicted", "reserved measured", "ratio"],
+                             "llrrllrrrrrr"))
+
+
 FAILED_HEADER = ["kind", "method", "model", "task", "batch", "seed", "status", "message"]
 
 
@@ -278,6 +298,7 @@ def report(summary: pd.DataFrame, source: str, out: Path, figures: Path,
         "## Throughput", throughput_section(summary),
         "## Convergence", convergence_section(summary),
         "## Capacity: what fits in a GPU's memory", capacity_section(summary),
+        "## Simulation vs GPU", accuracy_section(summary),
         "## Failed jobs", failed_section(summary),
     ]
     return "\n\n".join(sections) + "\n"

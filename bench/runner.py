@@ -18,6 +18,7 @@ message, never a crash of the caller.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import sys
 import time
@@ -152,9 +153,14 @@ def _setup(job: Job, method: Method, fake=None):
                          f"{method.hp['micro_batches']} of {method.name}")
     if job.seq_len > models.max_positions(job.model):
         raise ValueError(f"seq_len {job.seq_len} exceeds {job.model}'s {models.max_positions(job.model)} positions")
-    if job.device.startswith("cuda") and job.capacity_gb:
+    if job.device.startswith("cuda"):
+        # a capacity search runs several jobs in one process: start each from an empty
+        # cache, under its own cap (or none)
+        gc.collect()
+        torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(job.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, job.capacity_gb * 2**30 / total), job.device)
+        cap = job.capacity_gb * 2**30 / total if job.capacity_gb else 1.0
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap), job.device)
     torch.manual_seed(job.seed)
     # Built directly in its dtype and on its device: no copy, and it works on fake tensors.
     with fake or contextlib.nullcontext(), torch.device(job.device), _default_dtype(DTYPES[job.dtype]):

@@ -271,6 +271,23 @@ def largest_model_table(summary: pd.DataFrame, batch: int = CAPACITY_REFERENCE_B
     return out
 
 
+def simulation_accuracy_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """Simulated predictions beside GPU measurements of the same cell (method, model,
+    batch, sequence, dtype): measured / simulated peak allocated bytes, and measured /
+    predicted reserved bytes. Empty until a GPU has run cells the simulation also ran."""
+    keys = ["method", "model", "batch_size", "seq_len", "dtype"]
+    mem = summary[(summary["kind"] == "memory") & (summary["status"] == "ok")]
+    sim = mem[mem["memory_tier"] == "simulated"].groupby(keys)[["peak_bytes", "reserved_peak_bytes"]].mean()
+    gpu = mem[mem["memory_tier"] == "measured"]
+    gpu = gpu.groupby(keys).agg(peak_bytes=("peak_bytes", "mean"),
+                                reserved_peak_bytes=("reserved_peak_bytes", "mean"),
+                                device_name=("device_name", "first"))
+    both = sim.join(gpu, lsuffix="_simulated", rsuffix="_measured", how="inner").reset_index()
+    both["allocated_ratio"] = both["peak_bytes_measured"] / both["peak_bytes_simulated"]
+    both["reserved_ratio"] = both["reserved_peak_bytes_measured"] / both["reserved_peak_bytes_simulated"]
+    return both
+
+
 def _paired(frame: pd.DataFrame, method: str, versus: str, keys: list[str], value: str) -> pd.DataFrame:
     """Rows of `method` and `versus` with status ok, side by side on `keys` (value_m, value_v)."""
     ok = frame[frame["status"] == "ok"]

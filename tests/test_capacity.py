@@ -129,3 +129,21 @@ def test_a_failing_job_is_a_capacity_error_not_a_crash(tiny_job):
     record = runner.run(tiny_job(kind="capacity", seq_len=4096, memory_gb=[1.0]))
     assert record["status"] == "error" and "exceeds" in record["message"]
     assert record["capacity"]["sizes"][0]["largest_batch"] == 0
+
+
+def test_simulation_accuracy_pairs_the_same_cell():
+    import pandas as pd
+
+    from bench.aggregate import SUMMARY_COLUMNS
+    from bench.tables import _tidy, simulation_accuracy_table
+
+    cell = dict(kind="memory", method="adamw", model="gpt2-small", batch_size=8, seq_len=512,
+                dtype="bfloat16", status="ok")
+    rows = [dict(cell, memory_tier="simulated", peak_bytes=100, reserved_peak_bytes=120),
+            dict(cell, memory_tier="measured", peak_bytes=110, reserved_peak_bytes=126,
+                 device_name="H100 80GB"),
+            dict(cell, model="gpt2-xl", memory_tier="simulated", peak_bytes=5, reserved_peak_bytes=6)]
+    table = simulation_accuracy_table(_tidy(pd.DataFrame(rows), SUMMARY_COLUMNS))
+    assert list(table["model"]) == ["gpt2-small"]
+    assert table["allocated_ratio"].iloc[0] == pytest.approx(1.10)
+    assert table["reserved_ratio"].iloc[0] == pytest.approx(1.05)
