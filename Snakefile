@@ -25,8 +25,11 @@ except ConfigError as e:
 validate(config, "config/schema.yaml")  # Snakemake's check; fills the schema's defaults
 
 PYTHON = sys.executable
-# The tables gather every result on disk: this profile's jobs and any earlier profile's.
-RESULTS = sorted(set(JOBS) | set(glob.glob("results/runs/*/*/*/*/*.json")))
+# The tables gather this profile's jobs and every other profile's results on disk (a
+# result of this profile that it no longer plans is left out: it cannot be remade).
+PROFILE_DIR = f"results/runs/{config['profile']}/"
+RESULTS = sorted(set(JOBS) | {p for p in glob.glob("results/runs/*/*/*/*/*.json")
+                              if not p.startswith(PROFILE_DIR)})
 CUDA = config["profiles"][config["profile"]]["device"].startswith("cuda")
 
 

@@ -18,9 +18,11 @@ def test_smoke_profile_end_to_end(workflow_copy):
 
     summary = pd.read_csv(results / "summary.csv")
     assert list(summary.columns) == SUMMARY_COLUMNS
-    assert len(summary) == 2 * (1 + 1 + 2)  # methods x (memory + throughput + 2 seeds convergence)
+    # methods x (memory + throughput + 2 seeds convergence + 2 memory sizes of capacity)
+    assert len(summary) == 2 * (1 + 1 + 2 + 2)
     assert (summary.status == "ok").all(), summary[["result_file", "message"]]
-    assert set(summary.kind) == {"memory", "throughput", "convergence"}
+    assert set(summary.kind) == {"memory", "throughput", "convergence", "capacity"}
+    assert summary.loc[summary.kind == "capacity", "largest_batch"].gt(0).all()
     assert summary.loc[summary.kind == "memory", "peak_bytes"].gt(0).all()
     assert summary.loc[summary.kind == "throughput", "tokens_per_s"].gt(0).all()
 
@@ -35,8 +37,12 @@ def test_smoke_profile_end_to_end(workflow_copy):
     record = json.loads(next((results / "runs").rglob("*.json")).read_text())
     assert record["job"]["seed"] in (0, 1) and record["provenance"]["torch_version"]
 
+    # a result the profile no longer plans (its list was shortened) is left alone
+    orphan = next((results / "runs" / "smoke" / "memory").rglob("*.json"))
+    (orphan.parent.parent / "dropped_method").mkdir()
+    (orphan.parent.parent / "dropped_method" / orphan.name).write_text(orphan.read_text())
     again = snakemake(workflow_copy, "-n", *SMOKE)
-    assert again.returncode == 0
+    assert again.returncode == 0, again.stderr[-2000:]
     assert "Nothing to be done" in again.stdout + again.stderr
 
     # another profile plans its own jobs and reads the smoke results as they are
