@@ -99,9 +99,21 @@ def run(job: Job, method: Method | None = None, events: list | None = None) -> d
     except Diverged as e:
         record.update(status="diverged", message=str(e), **e.partial)
     except Exception as e:  # failure is data: keep the message, let the DAG go on
-        record.update(status="error", message=f"{type(e).__name__}: {_first_line(e)}",
-                      traceback=traceback.format_exc(limit=-6))
+        message = f"{type(e).__name__}: {_first_line(e)}"
+        if job.simulate and _fake_tensor_limit(e):
+            message = ("cannot run on fake tensors (the simulated tier): the step needs a "
+                       f"tensor's value; measure it on real tensors instead ({message})")
+        record.update(status="error", message=message, traceback=traceback.format_exc(limit=-6))
     return _finish(record, job, method, started)
+
+
+def _fake_tensor_limit(e: Exception) -> bool:
+    """An error raised because fake tensors have no values (data-dependent ops)."""
+    from torch._subclasses import fake_tensor
+
+    limits = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+              fake_tensor.UnsupportedOperatorException)
+    return isinstance(e, limits) or "data-dependent" in str(e).lower()
 
 
 def _finish(record: dict, job: Job, method: Method | None, started: float) -> dict:

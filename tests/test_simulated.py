@@ -49,3 +49,21 @@ def test_paper_sized_model_simulates_without_its_memory(tiny_job):
 def test_simulate_is_for_memory_on_cpu(tiny_job):
     record = runner.run(tiny_job(kind="throughput", simulate=True))
     assert record["status"] == "error" and "memory and capacity jobs" in record["message"]
+
+
+def test_a_method_that_needs_values_is_reported_not_crashed(tiny_job):
+    from bench.method import Method
+
+    class NeedsValues(Method):
+        paper = "a step that reads a loss value"
+
+        def train_step(self, model, optimizer, batch):
+            loss = super().train_step(model, optimizer, batch)
+            if loss.item() > 1e9:  # data-dependent: impossible on fake tensors
+                raise AssertionError
+            return loss
+
+    real = runner.run(tiny_job(), method=NeedsValues())
+    fake = runner.run(tiny_job(simulate=True), method=NeedsValues())
+    assert real["status"] == "ok"
+    assert fake["status"] == "error" and "cannot run on fake tensors" in fake["message"]
