@@ -3,9 +3,10 @@
 `fits(B, C)` asks whether a training step at batch B (a memory job: a warm-up step, then
 a measured step) fits in C GiB. How it is answered depends on the tier:
 
-- simulated (fake tensors, CPU): the run's allocation trace is replayed through the
+- simulated (fake tensors, CPU): the step's allocation trace is replayed through the
   CUDA caching-allocator model (`bench.allocator`) with C minus the CUDA context; one
-  simulation per batch answers every C;
+  fake model serves the whole search (`_Simulation`) and one step per batch answers
+  every C;
 - tracked (real tensors, CPU): a real run with the tracker capped at C: live tensor
   bytes over C raise, and that `oom` is "does not fit";
 - measured (CUDA): a real run with the allocator capped at C
@@ -23,14 +24,16 @@ import math
 import sys
 from dataclasses import replace
 
-from bench import allocator, runner
+from bench import allocator, data, models, runner
+from bench.memory import MemoryTracker, cuda_kernels
+from bench.method import load
 from bench.runner import Job
 
 
 def search(job: Job, memory_gb: list[float], max_batch: int, unit: int) -> dict:
     """Largest batch (a multiple of `unit`, at most `max_batch`) that fits in each memory
     size; `job` gives the model, method and settings (its batch size is not used)."""
-    oracle = _Oracle(job)
+    oracle = _Oracle(job, unit)
     sizes = []
     for gb in sorted(memory_gb):
         capacity = int(gb * 2**30)
@@ -102,11 +105,71 @@ def _largest(fits, guess: int, most: int) -> int:
     return lo
 
 
+class _Simulation:
+    """A simulated search's runs on one fake model: the warm-up step once (it creates the
+    optimizer state), then one measured step per batch size, each as in a memory job. A
+    step's allocation trace for the allocator model is the warm-up's, then the changes
+    of the persistent state since (storages freed, storages made), then the step's own,
+    so the replay sees a step that follows a warm-up. Half the work of a fresh memory job
+    per batch size, and the same live bytes (tests hold it)."""
+
+    def __init__(self, job: Job, unit: int):
+        self.job = job
+        self.method = load(job.method, job.hparams)
+        self.fake = runner._fake_mode()
+        warm = replace(job, kind="memory", batch_size=unit)
+        self.model, stream = runner._setup(warm, self.method, self.fake)
+        self.task, self.objective = stream.task, stream.objective
+        self.n_params = models.n_params(self.model)
+        self.events: list = []
+        self.tracker = MemoryTracker(events=self.events)
+        self.tracker.register_model(self.model)
+        batch = self._batch(unit)
+        with self.fake, self.tracker, cuda_kernels():
+            self.optimizer = self.method.make_optimizer(self.model)
+            self.method.train_step(self.model, self.optimizer, batch)
+            del batch
+            self.tracker.label(self.method.state_tensors(self.optimizer), "optimizer")
+        self.prefix = list(self.events)
+        self.prefix_live = self._live()
+
+    def _live(self) -> dict:
+        return {key: entry[0] for key, entry in self.tracker._live.items()}
+
+    def _batch(self, size: int) -> dict:
+        stream = data.Stream(self.task, self.objective, models.vocab_size(self.job.model), size,
+                             self.job.seq_len, self.job.seed)
+        batch = {k: self.fake.from_tensor(v) for k, v in stream.next().items()}
+        self.tracker.register(batch.values(), "other")
+        return batch
+
+    def measure(self, batch_size: int) -> tuple[dict, list]:
+        """A memory-job-like record of one measured step at `batch_size`, and its trace."""
+        live = self._live()
+        trace = (self.prefix + [("free", k) for k in self.prefix_live if k not in live]
+                 + [("alloc", k, n) for k, n in live.items() if k not in self.prefix_live])
+        mark = len(self.events)
+        self.tracker.register_model(self.model)  # the grad hooks, removed on each exit
+        batch = self._batch(batch_size)  # made outside fake mode: real tokens, then faked
+        with self.fake, self.tracker, cuda_kernels():
+            self.tracker.reset_peak()
+            self.method.train_step(self.model, self.optimizer, batch)
+            self.tracker.label(self.method.state_tensors(self.optimizer), "optimizer")
+            del batch
+        trace += self.events[mark:]
+        del self.events[mark:]
+        split = self.tracker.peak_split.as_row()
+        memory = {"tier": "simulated", **split, **runner._predict_gpu(trace, None)}
+        return {"status": "ok", "message": None, "memory": memory, "n_params": self.n_params}, trace
+
+
 class _Oracle:
     """Runs memory jobs at a batch size (each batch once) and answers fits(B, C)."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, unit: int):
         self.job = replace(job, kind="memory", capacity_gb=None)
+        self.unit = unit
+        self.sim: _Simulation | None = None
         self.simulated = job.simulate
         self.cuda = job.device.startswith("cuda")
         self.tier = "simulated" if self.simulated else ("measured" if self.cuda else "tracked")
@@ -116,10 +179,23 @@ class _Oracle:
         self.runs: list[dict] = []
         self.error: str | None = None
 
+    def _simulate(self, batch: int) -> tuple[dict, list | None]:
+        try:
+            if self.sim is None:
+                self.sim = _Simulation(self.job, self.unit)
+            return self.sim.measure(batch)
+        except Exception as e:  # recorded as the search's error, like a failed memory job
+            message = f"{type(e).__name__}: {runner._first_line(e)}"
+            if runner._fake_tensor_limit(e):
+                message = f"cannot run on fake tensors (the simulated tier): {message}"
+            return {"status": "error", "message": message}, None
+
     def _record(self, batch: int) -> dict:
         if batch not in self.records:
-            events = [] if self.simulated else None
-            record = runner.run(replace(self.job, batch_size=batch), events=events)
+            if self.simulated:
+                record, events = self._simulate(batch)
+            else:
+                record, events = runner.run(replace(self.job, batch_size=batch)), None
             if record["status"] not in ("ok", "oom") and self.error is None:
                 self.error = record["message"]
             self.records[batch], self.traces[batch] = record, events

@@ -191,6 +191,40 @@ class MemoryTracker(TorchDispatchMode):
             self._hooks.clear()
 
 
+@contextlib.contextmanager
+def cuda_kernels():
+    """Make a CPU step keep for backward what CUDA's kernels keep, so CPU memory numbers
+    (tracked and simulated) stand for a GPU's. Two CPU kernels keep more than CUDA's:
+
+    - dropout: the CPU path saves a mask in the activation's dtype (2-4 bytes per
+      element); CUDA's fused kernel (`native_dropout`) saves a 1-byte mask. Routed to
+      `native_dropout`, which the CPU also has.
+    - attention dropout in `scaled_dot_product_attention`: the CPU falls back to the math
+      kernel and keeps three seq x seq tensors per head; CUDA's fused kernels apply the
+      dropout inside and keep none. Run without it here (the memory of CUDA's flash
+      kernel, whose dropout keeps only a random-number state).
+
+    `torch.nn.functional` is patched for the duration (a function mode would miss the
+    forward passes checkpointing re-runs inside backward). The loss of a memory job run
+    this way has no attention dropout: its memory is the result, not its loss."""
+    functional = torch.nn.functional
+    dropout, sdpa = functional.dropout, functional.scaled_dot_product_attention
+
+    def fused_dropout(input, p=0.5, training=True, inplace=False):
+        if training and 0 < p < 1 and not inplace:
+            return torch.native_dropout(input, p, True)[0]
+        return dropout(input, p, training, inplace)
+
+    def flash_like_attention(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return sdpa(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    functional.dropout, functional.scaled_dot_product_attention = fused_dropout, flash_like_attention
+    try:
+        yield
+    finally:
+        functional.dropout, functional.scaled_dot_product_attention = dropout, sdpa
+
+
 def _identity(tensor):
     return tensor
 

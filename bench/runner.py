@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from bench import allocator, data, models, results
-from bench.memory import CUDA_BLOCK, CapacityExceeded, MemoryTracker, cuda_peak
+from bench.memory import CUDA_BLOCK, CapacityExceeded, MemoryTracker, cuda_kernels, cuda_peak
 from bench.method import Method, load
 from bench.plan import KINDS
 
@@ -205,26 +205,33 @@ def _memory(job: Job, method: Method, model, stream, fake=None, events=None) -> 
         events = []
     tracker = MemoryTracker(capacity_bytes=capacity, round_to=CUDA_BLOCK if cuda else 1,
                             events=events)
-    batches = [_next_batch(stream, job.device) for _ in range(2)]
-    if fake is not None:
-        batches = [{k: fake.from_tensor(v) for k, v in b.items()} for b in batches]
+    raw = [_next_batch(stream, job.device) for _ in range(2)]
     check = _checked if fake is None else (lambda loss, step: None)  # a fake loss has no value
     tracker.register_model(model)
-    for b in batches:
-        tracker.register(b.values(), "other")
+
+    def next_batch():  # each step's batch exists from its step on, as from a data loader
+        batch = raw.pop(0)
+        if fake is not None:
+            batch = {k: fake.from_tensor(v) for k, v in batch.items()}
+        tracker.register(batch.values(), "other")
+        return batch
+
     out = {}
-    with fake or contextlib.nullcontext(), tracker:
+    kernels = contextlib.nullcontext() if cuda else cuda_kernels()
+    with fake or contextlib.nullcontext(), tracker, kernels:
         optimizer = method.make_optimizer(model)
-        loss = method.train_step(model, optimizer, batches[0])
+        loss = method.train_step(model, optimizer, next_batch())
         tracker.label(method.state_tensors(optimizer), "optimizer")
         check(loss, 0)
         out["first_step_peak_bytes"] = tracker.peak
+        del loss  # the measured step starts from the persistent state and its own batch
+        batch = next_batch()
         tracker.reset_peak()
         if cuda:
-            with cuda_peak() as allocator:
-                loss = method.train_step(model, optimizer, batches[1])
+            with cuda_peak() as stats:
+                loss = method.train_step(model, optimizer, batch)
         else:
-            loss = method.train_step(model, optimizer, batches[1])
+            loss = method.train_step(model, optimizer, batch)
         tracker.label(method.state_tensors(optimizer), "optimizer")
         out["loss"] = check(loss, 1)
     split = tracker.peak_split.as_row()
@@ -235,9 +242,9 @@ def _memory(job: Job, method: Method, model, stream, fake=None, events=None) -> 
     if cuda:
         # The allocator's peak is what a GPU needs; what the tracker cannot attribute
         # (allocator rounding beyond 512 B, library workspaces) is counted as other.
-        peak = allocator["allocated_peak_bytes"]
+        peak = stats["allocated_peak_bytes"]
         known = sum(split[f"{c}_bytes"] for c in ("param", "grad", "optimizer", "activation"))
-        out["memory"].update(tier="measured", peak_bytes=peak, other_bytes=peak - known, **allocator)
+        out["memory"].update(tier="measured", peak_bytes=peak, other_bytes=peak - known, **stats)
     return out
 
 

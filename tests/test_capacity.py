@@ -147,3 +147,19 @@ def test_simulation_accuracy_pairs_the_same_cell():
     assert list(table["model"]) == ["gpt2-small"]
     assert table["allocated_ratio"].iloc[0] == pytest.approx(1.10)
     assert table["reserved_ratio"].iloc[0] == pytest.approx(1.05)
+
+
+@pytest.mark.parametrize("method", ["adamw", "grad_accum", "adama", "galore"])
+def test_one_fake_model_per_search_gives_a_memory_jobs_bytes(tiny_job, method):
+    unit = 4 if method in ("grad_accum", "adama") else 1
+    sim = capacity._Simulation(tiny_job(kind="capacity", method=method, seq_len=64,
+                                        simulate=True), unit)
+    for batch in (8, 4 * unit, 8):
+        record, trace = sim.measure(batch)
+        job = runner.run(tiny_job(method=method, batch_size=batch, seq_len=64, simulate=True))
+        for key in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
+                    "activation_bytes", "other_bytes"):
+            assert record["memory"][key] == job["memory"][key], (batch, key)
+        # the allocator sees the same step after a warm-up: within a few segments
+        assert abs(record["memory"]["reserved_peak_bytes"]
+                   - job["memory"]["reserved_peak_bytes"]) <= 4 * allocator.LARGE_BUFFER

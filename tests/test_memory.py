@@ -113,3 +113,28 @@ def test_matches_pytorch_memtracker_peak():
                 ref.reset_mod_stats()
     ref_peak = ref.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     assert ours.peak == ref_peak
+
+
+def test_cpu_memory_jobs_keep_what_cuda_kernels_keep():
+    import torch.nn.functional as F
+
+    from bench.memory import cuda_kernels
+
+    x = torch.randn(2, 4, 64, 16, requires_grad=True)
+
+    def saved_by(fn):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            fn()
+        return saved
+
+    plain_dropout = saved_by(lambda: F.dropout(x, 0.1))
+    plain_sdpa = saved_by(lambda: F.scaled_dot_product_attention(x, x, x, dropout_p=0.1))
+    with cuda_kernels():
+        fused_dropout = saved_by(lambda: F.dropout(x, 0.1))
+        fused_sdpa = saved_by(lambda: F.scaled_dot_product_attention(x, x, x, dropout_p=0.1))
+    assert [t.dtype for t in plain_dropout] == [torch.float32]  # CPU: a float mask
+    assert [t.dtype for t in fused_dropout] == [torch.bool]  # CUDA: one byte per element
+    square = lambda saved: [t for t in saved if t.shape[-2:] == (64, 64)]
+    assert len(square(plain_sdpa)) >= 2 and square(fused_sdpa) == []
+    assert F.dropout.__name__ == "dropout"  # restored
