@@ -623,6 +623,10 @@ def figure_capacity_batch(summary: pd.DataFrame) -> plt.Figure:
     table = capacity_table(summary)
     if table.empty:
         return no_data_figure(title, "no capacity jobs in the summary")
+    failed = table[table["status"] != "ok"][["method", "model", "status"]].drop_duplicates()
+    table = table[table["status"] == "ok"]
+    if table.empty:
+        return no_data_figure(title, "no capacity job finished ok")
     methods = method_order(table["method"])
     models = model_order(summary, table["model"])
     colors = method_colors(methods)
@@ -651,7 +655,9 @@ def figure_capacity_batch(summary: pd.DataFrame) -> plt.Figure:
             "Open triangle: the search's largest batch fitted, so the answer is at least that. "
             "Simulated tier: what a CUDA GPU needs is predicted by replaying the step's "
             "allocations through a model of PyTorch's caching allocator, plus 0.5 GiB of "
-            "CUDA context (an assumption, not yet calibrated on a GPU).",
+            "CUDA context (an assumption, not yet calibrated on a GPU)."
+            + ("" if failed.empty else " Not drawn (search failed): " + "; ".join(
+                f"{r.method} on {r.model} ({r.status})" for r in failed.itertuples()) + "."),
             handles, ncol=min(len(methods), 5), title="method")
     return fig
 
