@@ -4,6 +4,7 @@ import resource
 import pytest
 
 from bench import runner
+from bench.method import available
 
 BASELINES = ["adamw", "grad_accum", "checkpointing", "checkpointing+grad_accum"]
 CATEGORIES = ("param", "grad", "optimizer", "activation", "other")
@@ -32,6 +33,23 @@ def test_simulated_equals_tracked(tiny_job, model, method):
         for c in CATEGORIES:
             assert f[f"{c}_bytes"] == r[f"{c}_bytes"], c
         assert f["peak_bytes"] == r["peak_bytes"]
+
+
+# Methods whose simulation differs from their real run, and why.
+CANNOT_SIMULATE = {"adamw_8bit": "bitsandbytes reads a tensor's value inside its step"}
+
+
+@pytest.mark.parametrize("method", [m for m in available() if m not in BASELINES])
+def test_every_method_simulates_as_it_runs(tiny_job, method):
+    real = runner.run(tiny_job(method=method))
+    fake = runner.run(tiny_job(method=method, simulate=True))
+    assert real["status"] == "ok", real.get("message")
+    if method in CANNOT_SIMULATE:
+        assert fake["status"] == "error" and "cannot run on fake tensors" in fake["message"]
+        return
+    assert fake["status"] == "ok", fake.get("message")
+    for c in CATEGORIES:
+        assert fake["memory"][f"{c}_bytes"] == real["memory"][f"{c}_bytes"], c
 
 
 def test_paper_sized_model_simulates_without_its_memory(tiny_job):
