@@ -152,6 +152,8 @@ class _Simulation:
         self.tracker.register_model(self.model)  # the grad hooks, removed on each exit
         batch = self._batch(batch_size)  # made outside fake mode: real tokens, then faked
         with self.fake, self.tracker, cuda_kernels():
+            if self.method.plans_per_shape:  # this shape's planning step first
+                self.method.train_step(self.model, self.optimizer, batch)
             self.tracker.reset_peak()
             self.method.train_step(self.model, self.optimizer, batch)
             self.tracker.label(self.method.state_tensors(self.optimizer), "optimizer")

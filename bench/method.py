@@ -15,6 +15,8 @@ it changes; the defaults are plain AdamW training with optional gradient accumul
 - `incompatible`: names of methods it cannot be stacked with.
 - `report`: what the method found worth saying about this run (e.g. which layers it
   replaced); stored in the result as `method_report`.
+- `plans_per_shape`: True if the first step at a new batch shape is a planning step
+  (ROAM traces and plans it), so a measurement must warm up at each shape.
 
 Methods stack with `+` (`checkpointing+grad_accum`): model transforms apply left to
 right; at most one member may provide the optimizer and at most one the step; their
@@ -40,6 +42,7 @@ class Method:
     paper: str = ""
     defaults: dict = {}
     incompatible: frozenset = frozenset()
+    plans_per_shape: bool = False
 
     def __init__(self):
         self.name = type(self).__module__.rsplit(".", 1)[-1]
@@ -139,6 +142,10 @@ class Stack(Method):
     @property
     def report(self) -> dict:
         return {m.name: m.report for m in self.members if m.report}
+
+    @property
+    def plans_per_shape(self) -> bool:
+        return any(m.plans_per_shape for m in self.members)
 
     def transform_model(self, model):
         for m in self.members:

@@ -327,8 +327,21 @@ def _gap_by_task(pairs: pd.DataFrame) -> tuple[str, int]:
     return text, len(gaps)
 
 
+def _batch_ratio_range(pairs: pd.DataFrame) -> tuple[str, int]:
+    pairs = pairs[pairs["v"] > 0]
+    if pairs.empty:
+        return "the baseline fits no batch", 0
+    ratio = pairs["m"] / pairs["v"]
+    examples = "; ".join(f"{r.capacity_gb:g} GiB {r.model}: {int(r.v)} -> {int(r.m)}"
+                         for r in pairs.sort_values(["model", "capacity_gb"]).itertuples())
+    return f"{ratio.min():.2f}x to {ratio.max():.2f}x ({examples})", len(pairs)
+
+
 # metric -> (kind of job, value compared, cell the two methods share, summary of the pairs)
 CLAIM_METRICS = {
+    "largest_batch_ratio": ("capacity", "largest_batch", ["model", "seq_len", "dtype",
+                                                           "memory_tier", "capacity_gb"],
+                            _batch_ratio_range),
     "peak_memory_change": ("memory", "peak_bytes", MEMORY_CELL, _change_range),
     "state_memory_change": ("memory", "state_bytes", MEMORY_CELL, _change_range),
     "throughput_ratio": ("throughput", "tokens_per_s", THROUGHPUT_CELL + ["seed"], _ratio_range),

@@ -149,7 +149,7 @@ def test_simulation_accuracy_pairs_the_same_cell():
     assert table["reserved_ratio"].iloc[0] == pytest.approx(1.05)
 
 
-@pytest.mark.parametrize("method", ["adamw", "grad_accum", "adama", "galore"])
+@pytest.mark.parametrize("method", ["adamw", "grad_accum", "adama", "galore", "roam"])
 def test_one_fake_model_per_search_gives_a_memory_jobs_bytes(tiny_job, method):
     unit = 4 if method in ("grad_accum", "adama") else 1
     sim = capacity._Simulation(tiny_job(kind="capacity", method=method, seq_len=64,
@@ -163,3 +163,23 @@ def test_one_fake_model_per_search_gives_a_memory_jobs_bytes(tiny_job, method):
         # the allocator sees the same step after a warm-up: within a few segments
         assert abs(record["memory"]["reserved_peak_bytes"]
                    - job["memory"]["reserved_peak_bytes"]) <= 4 * allocator.LARGE_BUFFER
+
+
+def test_a_batch_size_claim_compares_the_same_memory_size():
+    import pandas as pd
+
+    from bench.aggregate import SUMMARY_COLUMNS
+    from bench.tables import _tidy, claim_table
+
+    cell = dict(kind="capacity", model="bert-large", seq_len=384, dtype="float32",
+                memory_tier="simulated", status="ok")
+    rows = [dict(cell, method="adamw", capacity_gb=11, largest_batch=4),
+            dict(cell, method="tempo", capacity_gb=11, largest_batch=6),
+            dict(cell, method="adamw", capacity_gb=16, largest_batch=8),
+            dict(cell, method="tempo", capacity_gb=16, largest_batch=13),
+            dict(cell, method="tempo", capacity_gb=40, largest_batch=50)]  # no adamw: unpaired
+    claim = dict(method="tempo", versus="adamw", metric="largest_batch_ratio", claim="2x",
+                 setup="", source="")
+    row = claim_table(_tidy(pd.DataFrame(rows), SUMMARY_COLUMNS), [claim]).iloc[0]
+    assert row["n"] == 2 and row["ours"].startswith("1.50x to 1.62x")
+    assert "11 GiB bert-large: 4 -> 6" in row["ours"]
