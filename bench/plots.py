@@ -52,7 +52,8 @@ FAIL_COLOR = "#b2182b"
 def method_colors(methods) -> dict[str, tuple]:
     """A stable colour per method; the baseline is dark grey."""
     others = [m for m in method_order(methods) if m != BASELINE]
-    palette = sns.color_palette("colorblind", max(len(others), 1))
+    # ten distinct colour-blind-safe colours; beyond that, twenty (markers also differ)
+    palette = sns.color_palette("colorblind" if len(others) <= 10 else "tab20", max(len(others), 1))
     colors = {m: palette[i % len(palette)] for i, m in enumerate(others)}
     colors[BASELINE] = (0.25, 0.25, 0.25)
     return colors
@@ -595,7 +596,7 @@ def _memory_axis(ax, sizes) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [f"{g:g}" for g in sizes])
     ax.minorticks_off()
-    ax.set_xlabel("GPU memory (GiB)")
+    ax.set_xlabel("memory size (GiB)")
 
 
 def _capacity_lines(ax, part: pd.DataFrame, x: str, y: str, methods, colors, floor: float,
@@ -621,7 +622,7 @@ def _capacity_lines(ax, part: pd.DataFrame, x: str, y: str, methods, colors, flo
 
 def figure_capacity_batch(summary: pd.DataFrame) -> plt.Figure:
     """Largest batch that fits vs GPU memory, one panel per model, a line per method."""
-    title = "Largest batch that fits, per GPU memory size"
+    title = "Largest batch that fits, per memory size"
     table = capacity_table(summary)
     if table.empty:
         return no_data_figure(title, "no capacity jobs in the summary")
@@ -666,7 +667,7 @@ def figure_capacity_batch(summary: pd.DataFrame) -> plt.Figure:
 
 def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
     """Largest model of each family that trains at the reference batch vs GPU memory."""
-    title = f"Largest model that trains at batch {CAPACITY_REFERENCE_BATCH}, per GPU memory size"
+    title = f"Largest model that trains at batch {CAPACITY_REFERENCE_BATCH}, per memory size"
     table = largest_model_table(summary)
     if table.empty:
         return no_data_figure(title, "no capacity jobs in the summary")
