@@ -458,7 +458,10 @@ def figure_overview(summary: pd.DataFrame) -> plt.Figure:
     colors = method_colors(methods)
     models = model_order(summary, table["model"]) if len(table) else []
     markers = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(models)}
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5.6),
+    # the loss-gap panel has one two-line label per (method, task, model): room for each,
+    # and the method legend beside the scatter has one line per method
+    height = max(5.6, 0.34 * len(conv_ok) + 1.6, 0.2 * len(methods) + 2.6)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, height),
                                   gridspec_kw=dict(width_ratios=[1.5, 1]))
     _overview_scatter(ax, table, colors, markers)
     missing = table[table[["mem_ratio", "thr_ratio"]].isna().any(axis=1) | (table["note"] != "")]
@@ -534,8 +537,8 @@ def _overview_scatter(ax, table: pd.DataFrame, colors, markers) -> None:
     ax.add_artist(leg)
     ax.legend(handles=[Line2D([], [], ls="", marker=markers[m], color="0.4", label=m)
                        for m in markers if m in set(shown["model"])],
-              title="model (shape)", fontsize=8.5, title_fontsize=8.5, loc="upper left",
-              bbox_to_anchor=(1.01, 0.45))
+              title="model (shape)", fontsize=8.5, title_fontsize=8.5, loc="lower left",
+              bbox_to_anchor=(1.01, 0.0))
 
 
 def _overview_loss_gap(ax, conv: pd.DataFrame, conv_ok: pd.DataFrame, colors) -> None:
