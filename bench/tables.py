@@ -101,6 +101,16 @@ def group_cells(frame: pd.DataFrame, keys: list[str]):
     return frame.groupby(keys, dropna=False, sort=True)
 
 
+def _pct_vs_baseline(table: pd.DataFrame, cell: list[str], column: str) -> np.ndarray:
+    """% change of `column` vs the baseline's row of the same cell (NaN without one, or
+    where the baseline's value is 0)."""
+    base = table[table["method"] == BASELINE].set_index(cell)[column]
+    base_value = np.asarray(table.set_index(cell).index.map(lambda k: base.get(k, np.nan)), float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        pct = (table[column].to_numpy(float) / base_value - 1.0) * 100.0
+    return np.where(np.isfinite(pct), pct, np.nan)
+
+
 def memory_table(summary: pd.DataFrame) -> pd.DataFrame:
     """One row per (memory cell, method): status, peak and categories in MiB (mean over ok
     seeds), and the change of peak vs the baseline in the same cell (in %)."""
@@ -124,10 +134,7 @@ def memory_table(summary: pd.DataFrame) -> pd.DataFrame:
     table = pd.DataFrame(rows, columns=cols)
     if table.empty:
         return table
-    base = table[table["method"] == BASELINE].set_index(MEMORY_CELL)["peak_mib"]
-    base_peak = table.set_index(MEMORY_CELL).index.map(lambda k: base.get(k, np.nan))
-    table["pct_vs_baseline"] = (table["peak_mib"].to_numpy() / np.asarray(base_peak, float)
-                                - 1.0) * 100.0
+    table["pct_vs_baseline"] = _pct_vs_baseline(table, MEMORY_CELL, "peak_mib")
     return table
 
 
@@ -262,12 +269,7 @@ def largest_model_table(summary: pd.DataFrame, batch: int = CAPACITY_REFERENCE_B
     out = pd.DataFrame(rows, columns=cols)
     if out.empty:
         return out
-    base = out[out["method"] == BASELINE].set_index(CAPACITY_CELL)["n_params"]
-    base_n = out.set_index(CAPACITY_CELL).index.map(lambda k: base.get(k, np.nan))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out["pct_vs_baseline"] = (out["n_params"].to_numpy(float) / np.asarray(base_n, float)
-                                  - 1.0) * 100.0
-    out.loc[~np.isfinite(out["pct_vs_baseline"]), "pct_vs_baseline"] = np.nan
+    out["pct_vs_baseline"] = _pct_vs_baseline(out, CAPACITY_CELL, "n_params")
     return out
 
 

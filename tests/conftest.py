@@ -7,6 +7,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def lm_batch(n: int, t: int, vocab: int = 256, seed: int = 0) -> dict:
+    """A language-model batch of random tokens, labels shifted by one (last one ignored)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, t), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    return {"input_ids": ids, "labels": labels}
+
+
 @pytest.fixture
 def tiny_job():
     """A factory for small, fast jobs on the CPU."""

@@ -9,6 +9,7 @@ from bench import models, runner
 from bench.method import MethodError, load, lm_loss
 from bench.runner import Job
 from methods.galore import GaLoreAdamW
+from conftest import lm_batch
 
 HP = dict(rank=16, update_proj_gap=2)  # llama-tiny has hidden size 128: rank 16 projects
 
@@ -29,11 +30,7 @@ def llama(dtype=torch.float32):
 
 
 def batch(seed=0, n=4, t=16):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (n, t), generator=g)
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:]
-    return {"input_ids": ids, "labels": labels}
+    return lm_batch(n, t, seed=seed)
 
 
 def trained(method="galore", steps=1, model=None, **hp):

@@ -6,14 +6,11 @@ import torch
 
 from bench import models, runner
 from bench.method import Method, MethodError, Stack, available, load, split_batch
+from conftest import lm_batch
 
 
 def batch(n=8, t=16, vocab=256, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (n, t), generator=g)
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:]
-    return {"input_ids": ids, "labels": labels}
+    return lm_batch(n, t, vocab, seed)
 
 
 def tiny_model(dtype=torch.float64):

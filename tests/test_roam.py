@@ -9,6 +9,7 @@ from bench import models, planners as P
 from bench import runner
 from bench.memory import MemoryTracker
 from bench.method import MethodError, load
+from conftest import lm_batch
 
 MODELS = ["gpt2-tiny", "bert-tiny", "llama-tiny"]
 
@@ -16,11 +17,7 @@ MODELS = ["gpt2-tiny", "bert-tiny", "llama-tiny"]
 # -- utilities -----------------------------------------------------------------------------
 
 def batch(n=2, t=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (n, t), generator=g)
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:]
-    return {"input_ids": ids, "labels": labels}
+    return lm_batch(n, t, seed=seed)
 
 
 def captured(name, dtype=torch.float32, n=2, t=16):

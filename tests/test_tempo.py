@@ -11,6 +11,7 @@ from transformers import activations
 from bench import models, runner
 from bench.method import load, lm_loss
 from methods import tempo as T
+from conftest import lm_batch
 
 F64 = torch.float64
 GELUS = {  # variant -> the module it replaces
@@ -288,12 +289,6 @@ def test_attention_saves_the_predicted_bytes(pack):
 # -- whole models ------------------------------------------------------------------------------
 
 
-def lm_batch(n=4, t=32, vocab=256, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (n, t), generator=g)
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:]
-    return {"input_ids": ids, "labels": labels}
 
 
 @pytest.mark.parametrize("dropout", [0.1, 0.0])
