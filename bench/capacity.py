@@ -187,10 +187,16 @@ class _Oracle:
                 self.sim = _Simulation(self.job, self.unit)
             return self.sim.measure(batch)
         except Exception as e:  # recorded as the search's error, like a failed memory job
-            message = f"{type(e).__name__}: {runner._first_line(e)}"
-            if runner._fake_tensor_limit(e):
-                message = f"cannot run on fake tensors (the simulated tier): {message}"
-            return {"status": "error", "message": message}, None
+            return {"status": "error", "message": runner.error_message(e, simulated=True)}, None
+
+    def _note(self, record: dict, batch: int, capacity_gb: float | None) -> None:
+        """Keep a run as evidence; the first failure that is not out-of-memory ends the search."""
+        if record["status"] not in ("ok", "oom") and self.error is None:
+            self.error = record["message"]
+        self.runs.append({"batch_size": batch, "status": record["status"],
+                          "peak_bytes": record.get("memory", {}).get("peak_bytes"),
+                          "needed_bytes": self.need_of(record), "capacity_gb": capacity_gb,
+                          "n_params": record.get("n_params")})
 
     def _record(self, batch: int) -> dict:
         if batch not in self.records:
@@ -198,14 +204,8 @@ class _Oracle:
                 record, events = self._simulate(batch)
             else:
                 record, events = runner.run(replace(self.job, batch_size=batch)), None
-            if record["status"] not in ("ok", "oom") and self.error is None:
-                self.error = record["message"]
             self.records[batch], self.traces[batch] = record, events
-            mem = record.get("memory", {})
-            self.runs.append({"batch_size": batch, "status": record["status"],
-                              "peak_bytes": mem.get("peak_bytes"),
-                              "needed_bytes": self.need_of(record), "capacity_gb": None,
-                              "n_params": record.get("n_params")})
+            self._note(record, batch, None)
         return self.records[batch]
 
     def need_of(self, record: dict) -> int | None:
@@ -236,10 +236,6 @@ class _Oracle:
         key = (batch, capacity)
         if key not in self.capped:
             record = runner.run(replace(self.job, batch_size=batch, capacity_gb=capacity / 2**30))
-            if record["status"] not in ("ok", "oom") and self.error is None:
-                self.error = record["message"]
             self.capped[key] = record
-            self.runs.append({"batch_size": batch, "status": record["status"],
-                              "peak_bytes": record.get("memory", {}).get("peak_bytes"),
-                              "needed_bytes": self.need_of(record), "capacity_gb": capacity / 2**30})
+            self._note(record, batch, capacity / 2**30)
         return self.capped[key]["status"] == "ok"

@@ -66,10 +66,9 @@ class Diverged(RuntimeError):
         self.partial = partial or {}
 
 
-def run(job: Job, method: Method | None = None, events: list | None = None) -> dict:
+def run(job: Job, method: Method | None = None) -> dict:
     """Run `job` and return its result record. `method` replaces loading `job.method`
-    (tests use it to run methods that are not modules); a memory job appends its
-    allocations and frees to `events` (see `MemoryTracker`)."""
+    (tests use it to run methods that are not modules)."""
     started = time.perf_counter()
     if job.threads:
         torch.set_num_threads(job.threads)
@@ -90,7 +89,7 @@ def run(job: Job, method: Method | None = None, events: list | None = None) -> d
         model, stream = _setup(job, method, fake)
         record["n_params"] = models.n_params(model)
         if job.kind == "memory":
-            record.update(_memory(job, method, model, stream, fake, events))
+            record.update(_memory(job, method, model, stream, fake))
         else:
             measure = {"throughput": _throughput, "convergence": _convergence}[job.kind]
             record.update(measure(job, method, model, stream))
@@ -99,21 +98,25 @@ def run(job: Job, method: Method | None = None, events: list | None = None) -> d
     except Diverged as e:
         record.update(status="diverged", message=str(e), **e.partial)
     except Exception as e:  # failure is data: keep the message, let the DAG go on
-        message = f"{type(e).__name__}: {_first_line(e)}"
-        if job.simulate and _fake_tensor_limit(e):
-            message = ("cannot run on fake tensors (the simulated tier): the step needs a "
-                       f"tensor's value; measure it on real tensors instead ({message})")
-        record.update(status="error", message=message, traceback=traceback.format_exc(limit=-6))
+        record.update(status="error", message=error_message(e, job.simulate),
+                      traceback=traceback.format_exc(limit=-6))
     return _finish(record, job, method, started)
 
 
-def _fake_tensor_limit(e: Exception) -> bool:
-    """An error raised because fake tensors have no values (data-dependent ops)."""
-    from torch._subclasses import fake_tensor
+def error_message(e: Exception, simulated: bool) -> str:
+    """The one-line message of a failed job; on fake tensors, says when the failure is
+    that the step needs a tensor's value (data-dependent ops), which fake tensors lack."""
+    message = f"{type(e).__name__}: {_first_line(e)}"
+    if simulated:
+        from torch._subclasses import fake_tensor
 
-    limits = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
-              fake_tensor.UnsupportedOperatorException)
-    return isinstance(e, limits) or "data-dependent" in str(e).lower()
+        limits = (fake_tensor.DataDependentOutputException,
+                  fake_tensor.DynamicOutputShapeException,
+                  fake_tensor.UnsupportedOperatorException)
+        if isinstance(e, limits) or "data-dependent" in str(e).lower():
+            message = ("cannot run on fake tensors (the simulated tier): the step needs a "
+                       f"tensor's value; measure it on real tensors instead ({message})")
+    return message
 
 
 def _finish(record: dict, job: Job, method: Method | None, started: float) -> dict:
@@ -196,13 +199,12 @@ def _checked(loss: torch.Tensor, step: int) -> float:
     return value
 
 
-def _memory(job: Job, method: Method, model, stream, fake=None, events=None) -> dict:
+def _memory(job: Job, method: Method, model, stream, fake=None) -> dict:
     cuda = job.device.startswith("cuda") and fake is None
     # a real CPU run is capped by the tracker; a simulated one by the allocator model below
     capped = job.capacity_gb and not cuda and fake is None
     capacity = int(job.capacity_gb * 2**30) if capped else None
-    if fake is not None and events is None:
-        events = []
+    events = [] if fake is not None else None  # the allocation order, for the allocator model
     tracker = MemoryTracker(capacity_bytes=capacity, round_to=CUDA_BLOCK if cuda else 1,
                             events=events)
     raw = [_next_batch(stream, job.device) for _ in range(2)]
