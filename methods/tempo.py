@@ -148,12 +148,6 @@ def _cbrt_(z: torch.Tensor) -> torch.Tensor:
     return torch.copysign(z.abs().pow_(1.0 / 3.0), z, out=z)
 
 
-def _blend(a: torch.Tensor, b: torch.Tensor, m: torch.Tensor, not_m: torch.Tensor) -> torch.Tensor:
-    """a where m == 1 else b, for 0/1 float masks and finite a, b: exact (a*1 + b*0), and
-    vectorised where torch.where is not on CPU."""
-    return (a * m).addcmul_(b, not_m)
-
-
 def gelu_inverse(y: torch.Tensor, right: torch.Tensor, family: str, steps: int | None = None):
     """x with GELU(x) = y on the branch `right` (x >= x_min) or left (x < x_min).
 
