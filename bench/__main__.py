@@ -11,7 +11,7 @@ import sys
 
 from bench import results
 from bench.method import available
-from bench.models import MODELS
+from bench.models import MODELS, is_known
 from bench.data import TASKS
 from bench.runner import DTYPES, KINDS, Job, run
 
@@ -26,6 +26,12 @@ def parse_hparam(text: str):
         return key, value
 
 
+def _model(name: str) -> str:
+    if not is_known(name):
+        raise argparse.ArgumentTypeError(f"unknown model {name!r}")
+    return name
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench",
@@ -35,14 +41,18 @@ def parser() -> argparse.ArgumentParser:
                     "exit code is 0 so a workflow goes on.",
         epilog="kinds: memory = peak bytes by category over a warm-up and a measured step; "
                "throughput = median step time over timed steps after warm-up; "
-               "convergence = loss per step; capacity = largest batch that fits each of --memory-gb. "
+               "convergence = loss per step; capacity = largest batch that fits each of --memory-gb; "
+               "model_capacity = largest size of the model's family that trains at --batch-size "
+               "in each of --memory-gb. "
                "Methods: " + ", ".join(available()) +
                " (stack with '+', e.g. checkpointing+grad_accum; fix hyperparameters with '@', "
                "e.g. galore@rank=8).")
     p.add_argument("--kind", required=True, choices=KINDS)
     p.add_argument("--method", required=True, help="method module name or a+b stack")
-    p.add_argument("--model", required=True, choices=sorted(MODELS), metavar="MODEL",
-                   help="one of: " + ", ".join(MODELS))
+    p.add_argument("--model", required=True, type=_model, metavar="MODEL",
+                   help="one of: " + ", ".join(MODELS) + "; or any width and depth of a family "
+                        "as <family>-d<width>-l<layers>[-v<vocab>], e.g. llama-d3072-l28; "
+                        "model_capacity: the first size of the ladder searched")
     p.add_argument("--batch-size", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--out", required=True, help="result JSON path (written atomically)")
@@ -61,8 +71,8 @@ def parser() -> argparse.ArgumentParser:
                         "allocated; tier 'simulated'), so paper-sized models fit on a laptop; "
                         "what a GPU would need is predicted by a model of CUDA's caching allocator")
     p.add_argument("--memory-gb", type=float, nargs="+", default=[], metavar="GB",
-                   help="capacity kind: memory sizes in GiB to find the largest batch for "
-                        "(--batch-size is then the largest batch tried)")
+                   help="capacity kinds: memory sizes in GiB to find the largest batch (or "
+                        "model) for; capacity: --batch-size is then the largest batch tried")
     p.add_argument("--steps", type=int, default=100, help="convergence: steps; throughput: timed steps")
     p.add_argument("--warmup-steps", type=int, default=2, help="throughput: untimed steps first")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

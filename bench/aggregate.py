@@ -1,5 +1,5 @@
-"""Result files -> tidy tables: `summary.csv` (one row per job; a capacity job gives one
-row per memory size) and `curves.csv` (one row per convergence step). The README
+"""Result files -> tidy tables: `summary.csv` (one row per job; a capacity or
+model_capacity job gives one row per memory size) and `curves.csv` (one row per convergence step). The README
 documents every column."""
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ SUMMARY_COLUMNS = [
     "dtype", "device", "device_name", "memory_tier", "capacity_gb", "peak_bytes", "param_bytes",
     "grad_bytes", "optimizer_bytes", "activation_bytes", "other_bytes", "first_step_peak_bytes",
     "reserved_peak_bytes", "alloc_retries", "tokens_per_s", "step_time_median_s",
-    "step_time_q1_s", "step_time_q3_s", "largest_batch", "at_max_batch", "task", "steps",
+    "step_time_q1_s", "step_time_q3_s", "largest_batch", "at_max_batch", "largest_model",
+    "at_ladder_top", "task", "steps",
     "final_loss", "loss_floor", "status",
     "message", "seed", "commit", "torch_version", "date", "wall_time_s", "hparams", "result_file",
 ]
@@ -54,15 +55,18 @@ def summary_row(record: dict, path: str) -> dict:
 
 def summary_rows(record: dict, path: str) -> list[dict]:
     """A job's rows: one, or for a capacity job one per memory size, where `capacity_gb`
-    is the size, `largest_batch` the answer and `peak_bytes` what that batch needs."""
+    is the size, `largest_batch` the answer and `peak_bytes` what that batch needs; for a
+    model_capacity job `largest_model` is the answer (`model` where its ladder starts)
+    and `n_params` its parameters (0: not even the first size fits)."""
     row = summary_row(record, path)
     found = record.get("capacity")
-    if record["job"]["kind"] != "capacity" or not found:
+    if record["job"]["kind"] not in ("capacity", "model_capacity") or not found:
         return [row]
     row["memory_tier"] = found["tier"]
-    return [{**row, "capacity_gb": size["memory_gb"], "largest_batch": size["largest_batch"],
-             "at_max_batch": size["at_max_batch"], "peak_bytes": size["needed_bytes_at_largest"]}
-            for size in found["sizes"]] or [row]
+    answer = ("largest_batch", "at_max_batch") if record["job"]["kind"] == "capacity" else (
+        "largest_model", "n_params", "at_ladder_top")
+    return [{**row, "capacity_gb": size["memory_gb"], **{k: size[k] for k in answer},
+             "peak_bytes": size["needed_bytes_at_largest"]} for size in found["sizes"]] or [row]
 
 
 def curve_rows(record: dict) -> list[dict]:

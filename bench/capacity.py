@@ -1,4 +1,4 @@
-"""The largest batch that fits, per memory size: a search, not a grid.
+"""The largest batch, and the largest model, that fits per memory size: searches, not grids.
 
 `fits(B, C)` asks whether a training step at batch B (a memory job: a warm-up step, then
 a measured step) fits in C GiB. How it is answered depends on the tier:
@@ -17,6 +17,10 @@ not), so two probes give a line, the line gives a guess per C, and the search ga
 bisects from the guess to the boundary: the answer B fits and B + one unit (the method's micro-batch
 count, since a batch must split into equal micro-batches) does not, both run, not
 extrapolated. Every run is kept in the result as evidence.
+
+The largest model (`search_model`) is the same search over the family's ladder of sizes
+(`bench.models.ladder`) at a fixed batch: peak memory grows about geometrically along
+it, so the secant steps work on log bytes.
 """
 from __future__ import annotations
 
@@ -37,8 +41,10 @@ def search(job: Job, memory_gb: list[float], max_batch: int, unit: int) -> dict:
     sizes = []
     for gb in sorted(memory_gb):
         capacity = int(gb * 2**30)
-        k = _largest(lambda k: oracle.fits(k * unit, capacity),
-                     _guess(oracle, capacity, unit, max_batch), max_batch // unit)
+        most = max(1, max_batch // unit)
+        known = lambda: {b // unit: n for b, n in oracle.needs().items() if b % unit == 0}  # noqa: E731
+        guess = _guess(lambda k: oracle.need(k * unit), known, capacity, most, probes=(1, 8))
+        k = _largest(lambda k: oracle.fits(k * unit, capacity), guess, max_batch // unit)
         best = k * unit
         print(f"[capacity {job.method} {job.model}] {gb:g} GiB: largest batch {best}"
               f"{' (the cap)' if best and k == max_batch // unit else ''}; {len(oracle.runs)} runs "
@@ -51,16 +57,91 @@ def search(job: Job, memory_gb: list[float], max_batch: int, unit: int) -> dict:
             "sizes": sizes, "runs": oracle.runs, "error": oracle.error}
 
 
-def _guess(oracle: "_Oracle", capacity: int, unit: int, max_batch: int) -> int:
-    """Units of batch whose need is at most `capacity`, by interpolation on the needs of
-    uncapped runs (probes at one and eight units first, then the points each guess adds):
-    secant steps converge in a few runs even where the need bends (the peak moves from
-    the optimizer step to the backward pass as the batch grows)."""
-    most = max(1, max_batch // unit)
-    oracle.need(unit)
-    oracle.need(min(8, most) * unit)
+def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
+    """Largest size of the model's family (from `job.model` up `models.ladder`) whose
+    training step at `job.batch_size` fits each memory size. Rung by rung as the batch
+    search goes batch by batch (probes, secant steps on log bytes, then a boundary where
+    one size fits and the next does not, both answered as that search answers them), with
+    one shortcut: a size whose weights alone exceed the memory cannot fit, and is not built."""
+    rungs = models.ladder(job.model)
+    runs: list[dict] = []
+    oracles: dict[int, _Oracle] = {}
+    weights = {}  # rung -> (parameters, bytes of the weights), from a build on the meta device
+    noted: set = set()  # (rung, capacity) whose weights were found to exceed it
+
+    def weight_bytes(i: int) -> int:
+        if i not in weights:
+            import torch
+
+            with torch.device("meta"):
+                n = models.n_params(models.build(rungs[i], job.attn_implementation))
+            weights[i] = (n, n * runner.DTYPES[job.dtype].itemsize)
+        return weights[i][1]
+
+    def oracle(i: int) -> _Oracle:
+        if i not in oracles:
+            oracles[i] = _Oracle(replace(job, model=rungs[i]), unit, runs)
+        return oracles[i]
+
+    def too_large(i: int, capacity: int) -> bool:
+        if weight_bytes(i) <= capacity:
+            return False
+        if (i, capacity) not in noted:
+            noted.add((i, capacity))
+            runs.append({"model": rungs[i], "batch_size": job.batch_size, "status": "weights exceed",
+                         "weight_bytes": weight_bytes(i), "capacity_gb": capacity / 2**30,
+                         "n_params": weights[i][0]})
+        return True
+
+    def need(k: int) -> int | None:  # k = rung + 1; k = 0 is "no size fits"
+        biggest = int(max(memory_gb) * 2**30)
+        return weight_bytes(k - 1) if too_large(k - 1, biggest) else oracle(k - 1).need(job.batch_size)
+
+    def known() -> dict:
+        return {i + 1: o.need_of(o.records[job.batch_size]) for i, o in oracles.items()
+                if job.batch_size in o.records} | {i + 1: b for i, (_, b) in weights.items()
+                                                   if b > max(memory_gb) * 2**30}
+
+    def error() -> str | None:
+        return next((o.error for o in oracles.values() if o.error), None)
+
+    def fits(k: int, capacity: int) -> bool:
+        return (not error() and not too_large(k - 1, capacity)
+                and oracle(k - 1).fits(job.batch_size, capacity))
+
+    sizes = []
+    for gb in sorted(memory_gb):
+        capacity = int(gb * 2**30)
+        guess = _guess(need, known, capacity, len(rungs), probes=(1, 1 + len(rungs) // 4), log=True)
+        k = _largest(lambda k: fits(k, capacity), guess, len(rungs))
+        best = rungs[k - 1] if k else None
+        record = oracles[k - 1].records.get(job.batch_size) if k else None
+        print(f"[model capacity {job.method} from {job.model}] {gb:g} GiB: largest model "
+              f"{best or 'none'}{' (the ladder top)' if k == len(rungs) else ''}; "
+              f"{len(runs)} runs so far", file=sys.stderr, flush=True)
+        sizes.append({"memory_gb": gb, "largest_model": best,
+                      "n_params": weights[k - 1][0] if k else 0, "at_ladder_top": k == len(rungs),
+                      "needed_bytes_at_largest": oracles[k - 1].need_of(record) if record else None})
+    first = next(iter(oracles.values()), None)
+    return {"tier": first.tier if first else ("simulated" if job.simulate else "tracked"),
+            "batch_size": job.batch_size, "ladder": rungs,
+            "context_bytes": allocator.CUDA_CONTEXT_BYTES if job.simulate else 0,
+            "sizes": sizes, "runs": runs, "error": error()}
+
+
+def _guess(need, known, capacity: int, most: int, probes: tuple[int, ...], log: bool = False) -> int:
+    """Largest k in [0, most] whose need is at most `capacity`, by interpolation on the
+    needs measured so far (`known()`: k -> bytes, None for a failed run; `need(k)` runs
+    k): the probes first, then a secant step per run, on log bytes with `log` (the model
+    ladder's sizes grow geometrically). Secant steps converge in a few runs even where the
+    need bends (the peak moves from the optimizer step to the backward pass as the batch
+    grows)."""
+    f = math.log if log else float
+    for k in probes:
+        need(min(k, most))
+    lo = (0, None)
     for _ in range(12):
-        points = sorted((b // unit, n) for b, n in oracle.needs().items() if b % unit == 0)
+        points = sorted(known().items())
         below = [(k, n) for k, n in points if n is not None and n <= capacity]
         above = [(k, n) for k, n in points if n is None or n > capacity]
         lo = below[-1] if below else (0, None)
@@ -70,11 +151,11 @@ def _guess(oracle: "_Oracle", capacity: int, unit: int, max_batch: int) -> int:
         line = [p for p in (below[-2:] if hi is None else [lo, hi]) if p[1] is not None]
         if len(line) == 2 and line[1][1] > line[0][1]:
             (k0, n0), (k1, n1) = line
-            k = k0 + math.floor((capacity - n0) * (k1 - k0) / (n1 - n0))
+            k = k0 + math.floor((f(capacity) - f(n0)) * (k1 - k0) / (f(n1) - f(n0)))
         else:
             k = 2 * lo[0] if hi is None else (lo[0] + hi[0]) // 2
         upper = most if hi is None else hi[0] - 1
-        oracle.need(min(max(k, lo[0] + 1), upper) * unit)
+        need(min(max(k, lo[0] + 1), upper))
     return lo[0]
 
 
@@ -168,7 +249,7 @@ class _Simulation:
 class _Oracle:
     """Runs memory jobs at a batch size (each batch once) and answers fits(B, C)."""
 
-    def __init__(self, job: Job, unit: int):
+    def __init__(self, job: Job, unit: int, runs: list | None = None):
         self.job = replace(job, kind="memory", capacity_gb=None)
         self.unit = unit
         self.sim: _Simulation | None = None
@@ -178,7 +259,7 @@ class _Oracle:
         self.traces: dict[int, list] = {}
         self.records: dict[int, dict] = {}
         self.capped: dict[tuple, dict] = {}  # (batch, capacity) -> record of a capped run
-        self.runs: list[dict] = []
+        self.runs: list[dict] = [] if runs is None else runs  # shared by a model search's sizes
         self.error: str | None = None
 
     def _simulate(self, batch: int) -> tuple[dict, list | None]:
@@ -193,7 +274,7 @@ class _Oracle:
         """Keep a run as evidence; the first failure that is not out-of-memory ends the search."""
         if record["status"] not in ("ok", "oom") and self.error is None:
             self.error = record["message"]
-        self.runs.append({"batch_size": batch, "status": record["status"],
+        self.runs.append({"model": self.job.model, "batch_size": batch, "status": record["status"],
                           "peak_bytes": record.get("memory", {}).get("peak_bytes"),
                           "needed_bytes": self.need_of(record), "capacity_gb": capacity_gb,
                           "n_params": record.get("n_params")})

@@ -6,6 +6,9 @@ Snakefile and the config check can read it without importing torch.
 """
 from __future__ import annotations
 
+import math
+import re
+
 # name -> (family, config overrides). Paper sizes keep their real vocabularies.
 MODELS: dict[str, tuple[str, dict]] = {
     # GPT-2 (Radford et al. 2019): small 124M ... XL 1.5B
@@ -62,19 +65,103 @@ _FAMILY_DEFAULTS = {
 }
 
 
+# Shape names: any width and depth of a family, built as the family builds its sizes
+# ("llama-d3072-l28"; "-v256" keeps a tiny model's byte vocabulary). The capacity ladder
+# (`ladder`) names its intermediate sizes so, and configs may too.
+SHAPE_NAME = re.compile(r"^(gpt2|bert|llama)-d([1-9][0-9]*)-l([1-9][0-9]*)(?:-v([1-9][0-9]*))?$")
+# The width of one attention head: 64 in GPT-2 and BERT, 128 in LLaMA.
+HEAD_WIDTH = {"gpt2": 64, "bert": 64, "llama": 128}
+# Config keys of the width and the depth.
+_WIDTH = {"gpt2": "n_embd", "bert": "hidden_size", "llama": "hidden_size"}
+_DEPTH = {"gpt2": "n_layer", "bert": "num_hidden_layers", "llama": "num_hidden_layers"}
+
+
+def shape_overrides(fam: str, width: int, layers: int) -> dict:
+    """Config overrides of a `width` x `layers` model of family `fam`, by the family's rules:
+    heads of HEAD_WIDTH (64 where the width is not a multiple of 128 in LLaMA), a
+    feed-forward of 4x the width (GPT-2's is built in), LLaMA's 8/3 x rounded up to 256."""
+    if width % 64:
+        raise ValueError(f"width {width} of a {fam} shape must be a multiple of 64")
+    heads = width // (HEAD_WIDTH[fam] if width % HEAD_WIDTH[fam] == 0 else 64)
+    if fam == "gpt2":
+        return dict(n_layer=layers, n_embd=width, n_head=heads)
+    ffn = 4 * width if fam == "bert" else 256 * math.ceil(8 * width / 3 / 256)
+    return {_DEPTH[fam]: layers, _WIDTH[fam]: width, "num_attention_heads": heads,
+            "intermediate_size": ffn}
+
+
+def config_of(name: str) -> tuple[str, dict]:
+    """(family, config overrides) of a named size or a shape name; KeyError if neither."""
+    if name in MODELS:
+        return MODELS[name]
+    match = SHAPE_NAME.match(name)
+    if not match:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}, or a shape "
+                       f"<family>-d<width>-l<layers>[-v<vocab>] such as llama-d3072-l28")
+    fam, width, layers, vocab = match.groups()
+    overrides = shape_overrides(fam, int(width), int(layers))
+    return fam, {**overrides, **({"vocab_size": int(vocab)} if vocab else {})}
+
+
+def is_known(name: str) -> bool:
+    try:
+        config_of(name)
+    except (KeyError, ValueError):
+        return False
+    return True
+
+
 def family(name: str) -> str:
-    return MODELS[name][0]
+    return config_of(name)[0]
 
 
 def vocab_size(name: str) -> int:
-    fam, overrides = MODELS[name]
+    fam, overrides = config_of(name)
     return overrides.get("vocab_size", _FAMILY_DEFAULTS[fam]["vocab_size"])
 
 
 def max_positions(name: str) -> int:
-    fam, overrides = MODELS[name]
+    fam, overrides = config_of(name)
     key = "n_positions" if fam == "gpt2" else "max_position_embeddings"
     return overrides.get(key, _FAMILY_DEFAULTS[fam][key])
+
+
+def shape(name: str) -> tuple[int, int]:
+    """(width, layers) of a model."""
+    fam, overrides = config_of(name)
+    return overrides[_WIDTH[fam]], overrides[_DEPTH[fam]]
+
+
+# The ladder's step: each size has about this many times the previous one's layer weights.
+LADDER_GROWTH = 1.25
+
+
+def ladder(start: str) -> list[str]:
+    """Sizes of `start`'s family from `start` up to the family's largest named size,
+    scaled as the family scales: its named sizes (the published ones) are the anchors,
+    and between two anchors width and depth grow geometrically together, in steps of
+    about LADDER_GROWTH x the layer weights (layers x width^2), widths rounded to a
+    multiple of 64 (128 for LLaMA). Sizes between anchors get shape names; a tiny start
+    keeps its vocabulary in all of them. Layer weights grow strictly along the ladder."""
+    fam = family(start)
+    vocab = vocab_size(start)
+    suffix = "" if vocab == _FAMILY_DEFAULTS[fam]["vocab_size"] else f"-v{vocab}"
+    weights = lambda s: s[1] * s[0] ** 2  # noqa: E731
+    anchors = sorted((n for n in MODELS if MODELS[n][0] == fam and not n.endswith("-tiny")),
+                     key=lambda n: weights(shape(n)))
+    out = [start]
+    for anchor in (n for n in anchors if weights(shape(n)) > weights(shape(start))):
+        (w0, l0), (w1, l1) = shape(out[-1]), shape(anchor)
+        steps = max(1, round(math.log(weights((w1, l1)) / weights((w0, l0))) / math.log(LADDER_GROWTH)))
+        grain = 64 if fam != "llama" or w0 % 128 else 128
+        for i in range(1, steps):
+            t = i / steps
+            width = max(grain, grain * round(w0 * (w1 / w0) ** t / grain))
+            layers = max(1, round(l0 * (l1 / l0) ** t))
+            if weights(shape(out[-1])) < weights((width, layers)) < weights((w1, l1)):
+                out.append(f"{fam}-d{width}-l{layers}{suffix}")
+        out.append(anchor if not suffix else f"{fam}-d{w1}-l{l1}{suffix}")
+    return out
 
 
 def build(name: str, attn_implementation: str = "sdpa", dropout: float | None = None):
@@ -86,9 +173,7 @@ def build(name: str, attn_implementation: str = "sdpa", dropout: float | None = 
     import transformers as tf
 
     tf.logging.set_verbosity_error()
-    if name not in MODELS:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
-    fam, overrides = MODELS[name]
+    fam, overrides = config_of(name)
     kwargs = {**_FAMILY_DEFAULTS[fam], **overrides}
     if dropout is not None:
         keys = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),

@@ -19,7 +19,7 @@ import yaml
 
 from bench.plots import FIGURES
 from bench.results import write_text_atomic
-from bench.tables import (BASELINE, CAPACITY_REFERENCE_BATCH, CATEGORIES, capacity_table,
+from bench.tables import (BASELINE, CATEGORIES, MODEL_CAPACITY_CELL, capacity_table,
                           largest_model_table, simulation_accuracy_table, claim_table, convergence_table, memory_table,
                          method_order, model_order, read_summary, throughput_table)
 
@@ -29,8 +29,8 @@ FIGURE_CAPTIONS = {
     "throughput_relative": f"Tokens/s relative to {BASELINE}, with the step-time IQR.",
     "convergence": "Training loss per optimizer step, with the loss floor where known.",
     "capacity_batch": "The largest batch that fits, per memory size, model and method.",
-    "capacity_model": f"The largest model of each family that trains at batch "
-                      f"{CAPACITY_REFERENCE_BATCH}, per memory size and method.",
+    "capacity_model": "The largest model of each family that trains at a batch, per memory "
+                      "size and method.",
 }
 
 
@@ -185,36 +185,68 @@ def convergence_section(summary: pd.DataFrame) -> str:
 
 
 def capacity_section(summary: pd.DataFrame) -> str:
+    models, batches = largest_model_section(summary), largest_batch_section(summary)
+    if models is None and batches is None:
+        return "_No capacity jobs._"
+    return ("Each answer is a search's boundary: that size (or batch) trains and the next "
+            "does not, both run. In the simulated tier a run fits when its allocations, "
+            "replayed through a model of PyTorch's CUDA caching allocator, stay within the "
+            "memory size minus 0.5 GiB of CUDA context (an assumption until calibrated on a "
+            "GPU).\n\n" + "\n\n".join(p for p in (models, batches) if p is not None))
+
+
+def largest_model_section(summary: pd.DataFrame) -> str | None:
+    """Headline and table: the largest model of each family per memory size and method."""
     table = largest_model_table(summary)
     if table.empty:
-        return "_No capacity jobs._"
+        return None
     lines, rows = [], []
-    for key, g in table.groupby(["family", "seq_len", "dtype", "memory_tier", "capacity_gb"],
-                                dropna=False, sort=True):
-        family, seq, dtype, tier, gb = key
+    for key, g in table.groupby(MODEL_CAPACITY_CELL, dropna=False, sort=True):
+        family, seq, dtype, tier, batch, gb = key
+        where = f"{gb:g} GiB, {family} at batch {integer(batch)} (seq {integer(seq)}, {dtype}, {tier})"
         ok = g[g["n_params"] > 0]
-        base = g[g["method"] == BASELINE]
-        base_n = float(base["n_params"].iloc[0]) if len(base) else None
-        if len(ok):
-            top = ok[ok["n_params"] == ok["n_params"].max()]
-            names = ", ".join(method_order(top["method"]))
-            best = top.iloc[0]
-            if base.empty:
-                versus = f"no {BASELINE} run"
-            elif base_n == 0:
-                versus = f"{BASELINE} trains none of the sizes tried"
-            else:
-                versus = (f"{best['n_params'] / base_n:.2f}x the parameters of {BASELINE}'s "
-                          f"{base['model'].iloc[0]}")
-            lines.append(f"- {gb:g} GiB, {family} (seq {integer(seq)}, {dtype}, {tier}): "
-                         f"{names} train{'s' if len(top) == 1 else ''} {best['model']} "
-                         f"({best['n_params'] / 1e9:.2f} B parameters"
-                         f"{', the largest size tried' if best['is_largest_tried'] else ''}); "
-                         f"{versus}.")
+        if ok.empty:
+            lines.append(f"- {where}: no method trains even {g['model'].iloc[0]}.")
+            continue
+        top = ok[ok["n_params"] == ok["n_params"].max()]
+        best = top.iloc[0]
+        base = g[(g["method"] == BASELINE) & (g["status"] == "ok")]
+        if base.empty:
+            versus = f"no {BASELINE} run"
+        elif base["n_params"].iloc[0] == 0:
+            versus = f"{BASELINE} trains none of the ladder"
         else:
-            lines.append(f"- {gb:g} GiB, {family} (seq {integer(seq)}, {dtype}, {tier}): "
-                         "no method trains even the smallest size tried.")
+            versus = (f"{best['n_params'] / base['n_params'].iloc[0]:.2f}x the parameters of "
+                      f"{BASELINE}'s {base['largest_model'].iloc[0]}")
+        names = ", ".join(method_order(top["method"]))
+        lines.append(f"- {where}: {names} train{'s' if len(top) == 1 else ''} "
+                     f"{best['largest_model']} ({best['n_params'] / 1e9:.2f} B parameters"
+                     f"{', the top of the ladder' if best['at_ladder_top'] == 1 else ''}); {versus}.")
+    for _, r in table.iterrows():
+        largest = r["largest_model"] or "none"
+        if r["at_ladder_top"] == 1:
+            largest = f">= {largest}"
+        pct = "baseline" if r["method"] == BASELINE else num(r["pct_vs_baseline"], "+.0f")
+        rows.append([r["family"], integer(r["batch_size"]), integer(r["seq_len"]), r["dtype"],
+                     r["memory_tier"], num(r["capacity_gb"], "g"), r["method"], r["status"],
+                     largest, num(r["n_params"] / 1e9, ".3f") if pd.notna(r["n_params"]) else None,
+                     pct])
+    return ("### Largest model\n\nThe largest size of each family that trains at the batch, "
+            "per memory size, searched along the family's ladder (its published sizes and "
+            "sizes between them with width and depth grown together; shape names read "
+            "<family>-d<width>-l<layers>). Headline: the method that trains the largest.\n\n"
+            + "\n".join(lines) + "\n\n"
+            + markdown_table(rows, ["family", "batch", "seq", "dtype", "tier", "memory GiB",
+                                    "method", "status", "largest model", "parameters (B)",
+                                    f"% vs {BASELINE}"], "lrrllrlllrr"))
+
+
+def largest_batch_section(summary: pd.DataFrame) -> str | None:
+    """Table: the largest batch per model, method and memory size."""
     cap = capacity_table(summary)
+    if cap.empty:
+        return None
+    rows = []
     for _, r in _ordered(cap, summary, ["model", "seq_len", "capacity_gb"]).iterrows():
         batch = integer(r["largest_batch"])
         if r["at_max_batch"] == 1:
@@ -222,13 +254,8 @@ def capacity_section(summary: pd.DataFrame) -> str:
         rows.append([r["model"], integer(r["seq_len"]), r["dtype"], r["memory_tier"],
                      num(r["capacity_gb"], "g"), r["method"], integer(r["micro_batches"]),
                      r["status"], batch])
-    return ("Largest model of each family that trains at batch "
-            f"{CAPACITY_REFERENCE_BATCH}, per memory size (headline), then the largest batch "
-            "per model, method and memory size. Each answer is a search's boundary: that "
-            "batch fits and one micro-batch more does not, both run. In the simulated tier a "
-            "run fits when its allocations, replayed through a model of PyTorch's CUDA "
-            "caching allocator, stay within the memory size minus 0.5 GiB of CUDA context "
-            "(an assumption until calibrated on a GPU).\n\n" + "\n".join(lines) + "\n\n"
+    return ("### Largest batch\n\nThe largest batch that fits, per model, method and memory "
+            "size (a multiple of the method's micro-batches).\n\n"
             + markdown_table(rows, ["model", "seq", "dtype", "tier", "memory GiB", "method",
                                     "micro-batches", "status", "largest batch"], "lrllrlrlr"))
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import yaml
 
-from bench.models import MODELS, max_positions
+from bench.models import MODELS, is_known, max_positions
 
 REPO = Path(__file__).resolve().parent.parent
 METHODS_DIR = REPO / "methods"
 SCHEMA = REPO / "config" / "schema.yaml"
-KINDS = ("memory", "throughput", "convergence", "capacity")
+KINDS = ("memory", "throughput", "convergence", "capacity", "model_capacity")
 
 
 class ConfigError(ValueError):
@@ -59,8 +59,9 @@ def resolve_methods(entries: list[str], where: str) -> list[str]:
 
 def _check_models(models: list[str], where: str) -> None:
     for m in models:
-        if m not in MODELS:
-            raise ConfigError(f"config key {where}: unknown model {m!r}; known: {', '.join(MODELS)}")
+        if not is_known(m):
+            raise ConfigError(f"config key {where}: unknown model {m!r}; known: {', '.join(MODELS)}, "
+                              f"or a shape <family>-d<width>-l<layers>[-v<vocab>]")
 
 
 def _check_method_params(params: dict, where: str) -> None:
@@ -143,7 +144,7 @@ def _job(config, prof, profile, kind, section, task, method, model, batch, seed)
         args += ["--steps", str(section["timed_steps"]), "--warmup-steps", str(section["warmup_steps"])]
     if kind == "convergence":
         args += ["--steps", str(section["steps"])]
-    if kind == "capacity":
+    if kind in ("capacity", "model_capacity"):
         args += ["--memory-gb", *(f"{gb:g}" for gb in section["memory_gb"])]
     for key, value in method_params(config, prof, method).items():
         args += ["--hparam", f"{key}={_json(value)}"]

@@ -30,7 +30,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from bench.results import atomic_path  # noqa: E402
-from bench.tables import (BASELINE, CAPACITY_REFERENCE_BATCH, CATEGORIES,  # noqa: E402
+from bench.tables import (BASELINE, CATEGORIES,  # noqa: E402
                           CONVERGENCE_CELL, MEMORY_CELL, THROUGHPUT_CELL, capacity_table,
                           convergence_table, largest_model_table, memory_table, method_order,
                           model_order, overview_table, read_curves, read_summary, status_text,
@@ -652,59 +652,71 @@ def figure_capacity_batch(summary: pd.DataFrame) -> plt.Figure:
         ax.set_title(f"{cell['model']} · seq {_fmt_num(cell['seq_len'])} · {cell['dtype']}",
                      fontsize=10)
     tiers = ", ".join(sorted(set(table["memory_tier"].dropna()))) or "unknown"
-    handles = [Line2D([], [], color=colors[m], marker=MARKERS[i % len(MARKERS)],
-                      linestyle=LINESTYLES[i % len(LINESTYLES)], label=m)
-               for i, m in enumerate(methods)]
-    _finish(fig, f"{title} (memory tier: {tiers})",
-            "Each point is a search's answer: that batch fits and the next one (one more "
-            "micro-batch) does not, both run. x on the floor: not even one micro-batch fits. "
-            "Open triangle: the search's largest batch fitted, so the answer is at least that. "
-            "Simulated tier: what a CUDA GPU needs is predicted by replaying the step's "
-            "allocations through a model of PyTorch's caching allocator, plus 0.5 GiB of "
-            "CUDA context (an assumption, not yet calibrated on a GPU)."
-            + ("" if failed.empty else " Not drawn (search failed): " + "; ".join(
-                f"{r.method} on {r.model} ({r.status})" for r in failed.itertuples()) + "."),
-            handles, ncol=min(len(methods), 5), title="method")
+    _finish_capacity(fig, f"{title} (memory tier: {tiers})",
+                     "Each point is a search's answer: that batch fits and the next one (one "
+                     "more micro-batch) does not, both run. x on the floor: not even one "
+                     "micro-batch fits. Open triangle: the search's largest batch fitted, so the "
+                     "answer is at least that. Simulated tier: what a CUDA GPU needs is "
+                     "predicted by replaying the step's allocations through a model of "
+                     "PyTorch's caching allocator, plus 0.5 GiB of CUDA context (an assumption, "
+                     "not yet calibrated on a GPU).", methods, colors, failed, "on")
     return fig
 
 
-def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
-    """Largest model of each family that trains at the reference batch vs GPU memory."""
-    title = f"Largest model that trains at batch {CAPACITY_REFERENCE_BATCH}, per memory size"
-    table = largest_model_table(summary)
-    if table.empty:
-        return no_data_figure(title, "no capacity jobs in the summary")
-    methods = method_order(table["method"])
-    colors = method_colors(methods)
-    cells = table[["family", "seq_len", "dtype", "memory_tier"]].drop_duplicates().to_dict("records")
-    tried = capacity_table(summary)[["family", "seq_len", "dtype", "memory_tier", "model",
-                                     "n_params"]].drop_duplicates()
-    fig, axes = _grid(len(cells), 3, 5.6, 0.5 * tried.groupby("family")["model"].nunique().max() + 2.6)
-    for ax, cell in zip(axes, cells):
-        part = table[_key_match(table, cell, list(cell))].assign(
-            billions=lambda t: t["n_params"] / 1e9)
-        sizes = (tried[_key_match(tried, cell, list(cell))].dropna(subset=["n_params"])
-                 .sort_values("n_params"))
-        floor = 0.5 * sizes["n_params"].min() / 1e9 if len(sizes) else 0.01
-        _capacity_lines(ax, part, "capacity_gb", "billions", methods, colors, floor,
-                        part["is_largest_tried"])
-        ax.set_yscale("log")
-        ax.set_yticks([floor] + list(sizes["n_params"] / 1e9),
-                      ["none"] + [f"{m} ({n / 1e9:.2g} B)" for m, n in
-                                  zip(sizes["model"], sizes["n_params"])])
-        ax.minorticks_off()
-        _memory_axis(ax, part["capacity_gb"])
-        ax.set_ylabel("largest model that trains (parameters)")
-        ax.set_title(f"{cell['family']} family · seq {_fmt_num(cell['seq_len'])} · "
-                     f"{cell['dtype']} · {int(part['n_models'].max())} sizes tried", fontsize=10)
+def _finish_capacity(fig, title: str, note: str, methods, colors, failed: pd.DataFrame,
+                     where: str) -> None:
+    """A capacity figure's title, a legend line per method and the note, which lists the
+    searches that failed (`failed`: method, model, status)."""
     handles = [Line2D([], [], color=colors[m], marker=MARKERS[i % len(MARKERS)],
                       linestyle=LINESTYLES[i % len(LINESTYLES)], label=m)
                for i, m in enumerate(methods)]
-    _finish(fig, title,
-            "The family's sizes are the named configurations the sweep tried (bench/models.py); "
-            "a step up means the next size fits. x on the floor: the smallest size tried does "
-            "not fit. Open triangle: the largest size tried fits, so the answer is at least it.",
-            handles, ncol=min(len(methods), 5), title="method")
+    if not failed.empty:
+        note += " Not drawn (search failed): " + "; ".join(
+            f"{r.method} {where} {r.model} ({r.status})" for r in failed.itertuples()) + "."
+    _finish(fig, title, note, handles, ncol=min(len(methods), 5), title="method")
+
+
+def _parameters(v: float, _=None) -> str:
+    return "none" if v <= 0 else (f"{v / 1e9:.3g} B" if v >= 1e9 else f"{v / 1e6:.3g} M")
+
+
+def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
+    """Largest model of each family that trains at a batch vs GPU memory (AdamA's figure)."""
+    title = "Largest model that trains, per memory size"
+    table = largest_model_table(summary)
+    if table.empty:
+        return no_data_figure(title, "no model_capacity jobs in the summary")
+    failed = table[table["status"] != "ok"][["method", "model", "status"]].drop_duplicates()
+    table = table[table["status"] == "ok"]
+    if table.empty:
+        return no_data_figure(title, "no model_capacity job finished ok")
+    methods = method_order(table["method"])
+    colors = method_colors(methods)
+    cells = (table[["family", "seq_len", "dtype", "memory_tier", "batch_size"]]
+             .drop_duplicates().sort_values(["family", "batch_size"]).to_dict("records"))
+    fig, axes = _grid(len(cells), 3, 5.0, 4.0)
+    for ax, cell in zip(axes, cells):
+        part = table[_key_match(table, cell, list(cell))]
+        fitted = part.loc[part["n_params"] > 0, "n_params"]
+        floor = 0.5 * fitted.min() if len(fitted) else 1e6
+        _capacity_lines(ax, part, "capacity_gb", "n_params", methods, colors, floor,
+                        part["at_ladder_top"])
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_parameters))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        _memory_axis(ax, part["capacity_gb"])
+        ax.set_ylabel("largest model that trains (parameters)")
+        ax.set_title(f"{cell['family']} from {part['model'].iloc[0]} · batch "
+                     f"{_fmt_num(cell['batch_size'])} · seq {_fmt_num(cell['seq_len'])} · "
+                     f"{cell['dtype']}", fontsize=10)
+    tiers = ", ".join(sorted(set(table["memory_tier"].dropna()))) or "unknown"
+    _finish_capacity(fig, f"{title} (memory tier: {tiers})",
+                     "Each point is a search's answer along the family's ladder of sizes (its "
+                     "published sizes, and sizes between them with width and depth grown "
+                     "together, about 1.25x the layer weights per step): that size trains at the "
+                     "batch and the next does not, both run (or its weights alone exceed the "
+                     "memory). x on the floor: not even the first size fits. Open triangle: the "
+                     "ladder's largest size fits, so at least it.", methods, colors, failed, "from")
     return fig
 
 
@@ -732,7 +744,7 @@ def main(argv=None) -> int:
                "final-loss gap; memory_breakdown: peak MiB by category; throughput_relative: "
                f"tokens/s vs {BASELINE}; convergence: loss vs optimizer step with the loss floor; "
                "capacity_batch: largest batch per GPU memory size; capacity_model: largest "
-               f"model of each family at batch {CAPACITY_REFERENCE_BATCH} per memory size.")
+               "model of each family that trains at a batch, per memory size.")
     p.add_argument("--summary", required=True, help="summary.csv from bench.aggregate")
     p.add_argument("--curves", help="curves.csv from bench.aggregate (optional; without it "
                                     "the convergence figure lists jobs but draws no curves)")

@@ -10,6 +10,8 @@ Kinds:
 - ``convergence``: `steps` training steps on fresh batches; loss and wall time per step.
 - ``capacity``: for each of `memory_gb`, the largest batch (up to `batch_size`) whose
   memory job fits, found by search (`bench.capacity`), in the job's tier.
+- ``model_capacity``: for each of `memory_gb`, the largest size of the model's family
+  (from `model` up its ladder, `bench.models.ladder`) whose memory job at `batch_size` fits.
 
 Failure is data: running out of memory (real, or over `capacity_gb`), a non-finite loss
 and any exception become a result with status ``oom``, ``diverged`` or ``error`` and the
@@ -55,7 +57,7 @@ class Job:
     threads: int | None = None
     log_every: int = 25
     simulate: bool = False  # memory and capacity: run on fake tensors (tier `simulated`)
-    memory_gb: list[float] = field(default_factory=list)  # capacity: memory sizes, GiB
+    memory_gb: list[float] = field(default_factory=list)  # capacity kinds: memory sizes, GiB
 
 
 class Diverged(RuntimeError):
@@ -79,10 +81,11 @@ def run(job: Job, method: Method | None = None) -> dict:
             raise ValueError(f"unknown kind {job.kind!r}; known: {', '.join(KINDS)}")
         method = method or load(job.method, job.hparams)
         record["hparams"] = {k: list(v) if isinstance(v, tuple) else v for k, v in method.hp.items()}
-        if job.simulate and (job.kind not in ("memory", "capacity") or job.device != "cpu"):
+        if job.simulate and (job.kind not in ("memory", "capacity", "model_capacity")
+                             or job.device != "cpu"):
             raise ValueError("simulate applies to memory and capacity jobs on the cpu device "
                              "only (fake CUDA tensors need a GPU for backward)")
-        if job.kind == "capacity":
+        if job.kind in ("capacity", "model_capacity"):
             record.update(_capacity(job, method))
             return _finish(record, job, method, started)
         fake = _fake_mode() if job.simulate else None
@@ -131,9 +134,16 @@ def _capacity(job: Job, method: Method) -> dict:
     from bench import capacity
 
     if not job.memory_gb:
-        raise ValueError("a capacity job needs memory sizes (memory_gb)")
-    found = capacity.search(job, job.memory_gb, job.batch_size, method.hp["micro_batches"])
-    first = next((r for r in found["runs"] if r.get("n_params")), {})
+        raise ValueError(f"a {job.kind} job needs memory sizes (memory_gb)")
+    unit = method.hp["micro_batches"]
+    if job.kind == "capacity":
+        found = capacity.search(job, job.memory_gb, job.batch_size, unit)
+    else:
+        if job.batch_size % unit:
+            raise ValueError(f"batch size {job.batch_size} is not divisible by micro_batches="
+                             f"{unit} of {method.name}")
+        found = capacity.search_model(job, job.memory_gb, unit)
+    first = next((r for r in found["runs"] if r.get("n_params") and r["model"] == job.model), {})
     out = {"capacity": found, "n_params": first.get("n_params")}
     if found["error"]:
         out.update(status="error", message=found["error"])
@@ -161,8 +171,7 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def _setup(job: Job, method: Method, fake=None):
-    if job.model not in models.MODELS:
-        raise ValueError(f"unknown model {job.model!r}; known: {', '.join(models.MODELS)}")
+    models.config_of(job.model)  # a clear error for an unknown name
     if job.batch_size % method.hp["micro_batches"]:
         raise ValueError(f"batch size {job.batch_size} is not divisible by micro_batches="
                          f"{method.hp['micro_batches']} of {method.name}")

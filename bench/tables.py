@@ -20,7 +20,7 @@ MEMORY_CELL = ["model", "batch_size", "seq_len", "device"]
 THROUGHPUT_CELL = ["model", "batch_size", "seq_len", "device"]
 CONVERGENCE_CELL = ["task", "model"]
 
-TEXT_COLUMNS = ["kind", "method", "model", "family", "dtype", "device", "device_name",
+TEXT_COLUMNS = ["kind", "method", "model", "largest_model", "family", "dtype", "device", "device_name",
                 "memory_tier", "task", "status", "message", "commit", "torch_version", "date"]
 
 
@@ -234,9 +234,7 @@ def overview_table(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 CAPACITY_CELL = ["family", "seq_len", "dtype", "memory_tier", "capacity_gb"]
-# The batch at which "the largest model that fits" is read: 8 sequences, which every
-# method's micro-batch count divides (the same global batch for all).
-CAPACITY_REFERENCE_BATCH = 8
+MODEL_CAPACITY_CELL = ["family", "seq_len", "dtype", "memory_tier", "batch_size", "capacity_gb"]
 
 
 def capacity_table(summary: pd.DataFrame) -> pd.DataFrame:
@@ -248,28 +246,18 @@ def capacity_table(summary: pd.DataFrame) -> pd.DataFrame:
     return cap.reindex(columns=cols).reset_index(drop=True)
 
 
-def largest_model_table(summary: pd.DataFrame, batch: int = CAPACITY_REFERENCE_BATCH) -> pd.DataFrame:
-    """Per (family, sequence, dtype, tier, memory size, method): the largest model of the
-    family that trains at `batch` (its largest batch is at least `batch`), among the
-    models the sweep tried; `is_largest_tried` says the biggest tried model fits (so the
-    answer is a lower bound); `pct_vs_baseline` compares its parameter count with AdamW's."""
-    table = capacity_table(summary)
-    cols = CAPACITY_CELL + ["method", "model", "n_params", "n_models", "is_largest_tried",
-                            "status", "pct_vs_baseline"]
-    rows = []
-    for key, g in group_cells(table, CAPACITY_CELL + ["method"]):
-        row = dict(zip(CAPACITY_CELL + ["method"], key))
-        fit = g[(g["status"] == "ok") & (g["largest_batch"] >= batch)]
-        best = fit.loc[fit["n_params"].idxmax()] if len(fit) else None
-        row.update(model=best["model"] if best is not None else None,
-                   n_params=best["n_params"] if best is not None else 0,
-                   n_models=g["model"].nunique(), status=status_text(g["status"]),
-                   is_largest_tried=bool(best is not None and best["n_params"] >= g["n_params"].max()))
-        rows.append(row)
-    out = pd.DataFrame(rows, columns=cols)
-    if out.empty:
-        return out
-    out["pct_vs_baseline"] = _pct_vs_baseline(out, CAPACITY_CELL, "n_params")
+def largest_model_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per (family, sequence, dtype, tier, batch, memory size, method) of the
+    model_capacity jobs: the largest size of the family that trains at that batch
+    (`largest_model`, None and `n_params` 0 when not even the first size does;
+    `at_ladder_top`: the ladder's largest size fits, so at least that), from the size the
+    ladder starts at (`model`); `pct_vs_baseline` compares parameters with AdamW's."""
+    cap = summary[summary["kind"] == "model_capacity"]
+    cols = MODEL_CAPACITY_CELL + ["method", "model", "largest_model", "n_params", "at_ladder_top",
+                                  "status", "message"]
+    out = cap.reindex(columns=cols).reset_index(drop=True)
+    out["n_params"] = out["n_params"].where(out["status"] == "ok")
+    out["pct_vs_baseline"] = _pct_vs_baseline(out, MODEL_CAPACITY_CELL, "n_params") if len(out) else []
     return out
 
 
@@ -329,21 +317,30 @@ def _gap_by_task(pairs: pd.DataFrame) -> tuple[str, int]:
     return text, len(gaps)
 
 
-def _batch_ratio_range(pairs: pd.DataFrame) -> tuple[str, int]:
-    pairs = pairs[pairs["v"] > 0]
-    if pairs.empty:
-        return "the baseline fits no batch", 0
-    ratio = pairs["m"] / pairs["v"]
-    examples = "; ".join(f"{r.capacity_gb:g} GiB {r.model}: {int(r.v)} -> {int(r.m)}"
-                         for r in pairs.sort_values(["model", "capacity_gb"]).itertuples())
-    return f"{ratio.min():.2f}x to {ratio.max():.2f}x ({examples})", len(pairs)
+def _capacity_ratio(nothing: str, example):
+    """A summary of capacity pairs: the range of ratios, then each pair (`example(row)`);
+    pairs where the baseline fits nothing are left out (`nothing` if that is all)."""
+    def summarise(pairs: pd.DataFrame) -> tuple[str, int]:
+        pairs = pairs[pairs["v"] > 0]
+        if pairs.empty:
+            return nothing, 0
+        ratio = pairs["m"] / pairs["v"]
+        examples = "; ".join(example(r) for r in pairs.sort_values(["model", "capacity_gb"]).itertuples())
+        return f"{ratio.min():.2f}x to {ratio.max():.2f}x ({examples})", len(pairs)
+    return summarise
 
 
 # metric -> (kind of job, value compared, cell the two methods share, summary of the pairs)
 CLAIM_METRICS = {
+    "largest_model_ratio": ("model_capacity", "n_params", ["model", "seq_len", "dtype",
+                                                           "memory_tier", "batch_size", "capacity_gb"],
+                            _capacity_ratio("the baseline trains no size of the ladder", lambda r: (
+                                f"{r.capacity_gb:g} GiB from {r.model} at batch {int(r.batch_size)}: "
+                                f"{r.v / 1e9:.2f} B -> {r.m / 1e9:.2f} B"))),
     "largest_batch_ratio": ("capacity", "largest_batch", ["model", "seq_len", "dtype",
                                                            "memory_tier", "capacity_gb"],
-                            _batch_ratio_range),
+                            _capacity_ratio("the baseline fits no batch", lambda r: (
+                                f"{r.capacity_gb:g} GiB {r.model}: {int(r.v)} -> {int(r.m)}"))),
     "peak_memory_change": ("memory", "peak_bytes", MEMORY_CELL, _change_range),
     "state_memory_change": ("memory", "state_bytes", MEMORY_CELL, _change_range),
     "throughput_ratio": ("throughput", "tokens_per_s", THROUGHPUT_CELL + ["seed"], _ratio_range),
@@ -354,7 +351,8 @@ CLAIM_METRICS = {
 def claim_table(summary: pd.DataFrame, claims: list[dict]) -> pd.DataFrame:
     """Each published claim beside what our results say for the same comparison.
 
-    Metrics: `peak_memory_change` and `state_memory_change` (% change of peak bytes, or of
+    Metrics: `largest_batch_ratio` and `largest_model_ratio` (largest batch, or parameters
+    of the largest model, divided by the other method's, per memory size), `peak_memory_change` and `state_memory_change` (% change of peak bytes, or of
     param + grad + optimizer bytes at the peak, per memory cell), `throughput_ratio`
     (per throughput cell), `final_loss_gap` (final loss minus the other method's, paired by
     seed, per task and model). `ours` gives the range over cells; `n` counts them.

@@ -183,3 +183,58 @@ def test_a_batch_size_claim_compares_the_same_memory_size():
     row = claim_table(_tidy(pd.DataFrame(rows), SUMMARY_COLUMNS), [claim]).iloc[0]
     assert row["n"] == 2 and row["ours"].startswith("1.50x to 1.62x")
     assert "11 GiB bert-large: 4 -> 6" in row["ours"]
+
+
+def _boundary_runs(tiny_job, found, size, **kw):
+    """Memory jobs (not the search's own runs) at the answer and the next size, capped."""
+    ladder, best = found["ladder"], size["largest_model"]
+    i = ladder.index(best)
+    return [runner.run(tiny_job(model=name, capacity_gb=size["memory_gb"], **kw))["status"]
+            for name in ladder[i:i + 2]]
+
+
+def test_simulated_model_search_stops_where_the_next_size_does_not_fit(tiny_job):
+    job = tiny_job(kind="model_capacity", batch_size=4, seq_len=64, simulate=True,
+                   memory_gb=[0.56, 0.7])
+    record = runner.run(job)
+    assert record["status"] == "ok", record.get("message")
+    found = record["capacity"]
+    assert found["tier"] == "simulated" and found["ladder"][0] == "gpt2-tiny"
+    answers = [found["ladder"].index(s["largest_model"]) for s in found["sizes"]]
+    assert 0 < answers[0] < answers[1]  # more memory, a larger model
+    for size in found["sizes"]:
+        assert _boundary_runs(tiny_job, found, size, batch_size=4, seq_len=64,
+                              simulate=True) == ["ok", "oom"]
+    simulated = [r["model"] for r in found["runs"] if r["status"] == "ok"]
+    assert len(simulated) == len(set(simulated)) < len(found["ladder"])  # a search, not a grid
+
+
+def test_tracked_model_search_is_confirmed_by_capped_runs(tiny_job):
+    record = runner.run(tiny_job(kind="model_capacity", method="grad_accum", batch_size=4,
+                                 memory_gb=[0.02, 0.04]))
+    assert record["status"] == "ok", record.get("message")
+    found = record["capacity"]
+    assert found["tier"] == "tracked"
+    for size in found["sizes"]:
+        capped = {r["model"]: r["status"] for r in found["runs"]
+                  if r["capacity_gb"] is not None and abs(r["capacity_gb"] - size["memory_gb"]) < 1e-9}
+        i = found["ladder"].index(size["largest_model"])
+        assert capped[found["ladder"][i]] == "ok"
+        assert capped[found["ladder"][i + 1]] in ("oom", "weights exceed")
+        assert size["n_params"] > 0 and not size["at_ladder_top"]
+
+
+def test_a_size_whose_weights_exceed_the_memory_is_not_built(tiny_job):
+    record = runner.run(tiny_job(kind="model_capacity", model="llama-7b", batch_size=1,
+                                 dtype="bfloat16", memory_gb=[4.0]))
+    found = record["capacity"]
+    assert record["status"] == "ok" and found["sizes"][0]["largest_model"] is None
+    assert found["sizes"][0]["n_params"] == 0
+    assert {r["status"] for r in found["runs"]} == {"weights exceed"}
+    assert all(r["weight_bytes"] > 4 * 2**30 for r in found["runs"])
+
+
+def test_a_model_search_needs_a_batch_the_micro_batches_divide(tiny_job):
+    record = runner.run(tiny_job(kind="model_capacity", method="grad_accum", batch_size=6,
+                                 memory_gb=[0.02]))
+    assert record["status"] == "error" and "not divisible by micro_batches=4" in record["message"]

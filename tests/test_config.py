@@ -22,7 +22,7 @@ def test_default_config_plans_every_method_module():
     assert set(plan.available_methods()) <= methods
     assert any("+" in m for m in methods)  # a stack is part of the default sweep
     kinds = {path.split("/")[3] for path in jobs}
-    assert kinds == {"memory", "throughput", "convergence", "capacity"}
+    assert kinds == {"memory", "throughput", "convergence", "capacity", "model_capacity"}
 
 
 @pytest.mark.parametrize("profile", ["quick", "full", "paper-memory", "galore-ranks", "smoke"])
@@ -45,6 +45,12 @@ BAD = {
                                   "profiles/quick/methods: unknown method 'nope'"),
     "unknown model": (lambda c: c["profiles"]["quick"]["memory"].update(models=["gpt5"]),
                       "profiles/quick/memory/models: unknown model 'gpt5'; known: gpt2-tiny"),
+    "shape of a width no head divides": (
+        lambda c: c["profiles"]["quick"]["memory"].update(models=["llama-d100-l2"]),
+        "profiles/quick/memory/models: unknown model 'llama-d100-l2'"),
+    "model capacity without its batch": (
+        lambda c: c["profiles"]["quick"]["model_capacity"].pop("batch_sizes"),
+        "profiles/quick/model_capacity: 'batch_sizes' is a required property"),
     "unknown profile": (lambda c: c.update(profile="huge"),
                         "profile: unknown profile 'huge'; defined: quick"),
     "wrong type": (lambda c: c["profiles"]["quick"]["memory"].update(batch_sizes="8"),

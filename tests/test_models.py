@@ -35,3 +35,41 @@ def test_tiny_models_run_a_step(name):
     assert logits.shape == (2, 16, models.vocab_size(name))
     logits.sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+# The family rules of `models.shape_overrides` rebuild the published sizes from their
+# width and depth alone (not GaLore's llama-1b: its feed-forward is 5461, not LLaMA's 8/3 x
+# rounded up to 256; nor the GPT-3 shapes, whose heads are 80 and 128 wide, not GPT-2's 64).
+@pytest.mark.parametrize("name", ["gpt2-small", "gpt2-xl", "bert-base", "bert-large",
+                                  "bert-3.9b", "llama-7b", "llama-13b", "llama-33b", "llama-65b"])
+def test_a_shape_name_builds_the_named_size(name):
+    width, layers = models.shape(name)
+    fam = models.family(name)
+    with torch.device("meta"):
+        named, shaped = models.build(name), models.build(f"{fam}-d{width}-l{layers}")
+    assert models.n_params(shaped) == models.n_params(named)
+    assert shaped.config.to_dict() | {"_name_or_path": ""} == named.config.to_dict() | {"_name_or_path": ""}
+
+
+@pytest.mark.parametrize("start", ["gpt2-tiny", "bert-base", "llama-60m", "llama-tiny"])
+def test_the_ladder_climbs_through_the_family_sizes(start):
+    ladder = models.ladder(start)
+    fam = models.family(start)
+    assert ladder[0] == start and len(ladder) == len(set(ladder))
+    with torch.device("meta"):
+        sizes = [models.n_params(models.build(name)) for name in ladder]
+    assert all(a < b for a, b in zip(sizes, sizes[1:]))  # strictly growing
+    shapes = [models.shape(name) for name in ladder]
+    named = [models.shape(n) for n in models.MODELS
+             if models.family(n) == fam and not n.endswith("-tiny")
+             and models.shape(n)[1] * models.shape(n)[0] ** 2 > shapes[0][1] * shapes[0][0] ** 2]
+    assert set(named) <= set(shapes)  # every larger published size is a rung
+    assert {models.vocab_size(n) for n in ladder} == {models.vocab_size(start)}
+    for (w0, l0), (w1, l1) in zip(shapes, shapes[1:]):  # steps of about 1.25x, never huge
+        assert l1 * w1 ** 2 / (l0 * w0 ** 2) < 5
+
+
+def test_a_bad_shape_name_says_what_a_shape_is():
+    assert not models.is_known("llama-d100-l2") and not models.is_known("gpt3-d128-l2")
+    with pytest.raises(KeyError, match="<family>-d<width>-l<layers>"):
+        models.config_of("gpt3-d128-l2")

@@ -181,3 +181,44 @@ def test_claims_compare_like_with_like():
     assert table.loc["throughput_ratio", "ours"] == "0.90 to 0.90"
     gaps = np.array([0.02, 0.06])  # paired by seed
     assert table.loc["final_loss_gap", "ours"] == f"markov {gaps.mean():+.3f} ± {gaps.std(ddof=1):.3f} (n=2)"
+
+
+def test_largest_model_table_report_figure_and_claim(tmp_path):
+    from bench.tables import claim_table, largest_model_table, read_summary
+
+    def row(method, gb, largest, n, top=False, status="ok"):
+        return dict(kind="model_capacity", method=method, model="toy-tiny", family="toy",
+                    batch_size=8, seq_len=16, dtype="float32", memory_tier="simulated",
+                    capacity_gb=gb, largest_model=largest, n_params=n, at_ladder_top=top,
+                    status=status, message=None if status == "ok" else "boom")
+
+    rows = [row("adamw", 16, "toy-d128-l2", 1e8), row("adamw", 24, "toy-d256-l2", 2e8),
+            row("adama", 16, "toy-d256-l2", 2e8), row("adama", 24, "toy-big", 5e8, top=True),
+            row("zeta_new", 16, None, 0), row("zeta_new", 24, None, None, status="error")]
+    path = tmp_path / "summary.csv"
+    pd.DataFrame(rows).reindex(columns=SUMMARY_COLUMNS).to_csv(path, index=False)
+    summary = read_summary(path)  # through the CSV: None and booleans survive
+
+    table = largest_model_table(summary).set_index(["method", "capacity_gb"])
+    assert table.loc[("adama", 16), "pct_vs_baseline"] == pytest.approx(100.0)
+    assert table.loc[("adama", 24), "pct_vs_baseline"] == pytest.approx(150.0)
+    assert table.loc[("zeta_new", 16), "pct_vs_baseline"] == pytest.approx(-100.0)
+    assert table.loc[("zeta_new", 16), "largest_model"] is None
+
+    text = paper.capacity_section(summary)
+    assert ("- 24 GiB, toy at batch 8 (seq 16, float32, simulated): adama trains toy-big "
+            "(0.50 B parameters, the top of the ladder); 2.50x the parameters of adamw's "
+            "toy-d256-l2.") in text
+    assert re.search(r"\| toy \| 8 \| 16 \| float32 \| simulated \| 16 \| zeta_new \| ok \| none \| "
+                     r"0\.000 \| -100 \|", text)
+    assert "_No capacity jobs._" not in text and "### Largest batch" not in text
+
+    fig = plots.figure_capacity_model(summary)
+    assert len([ax for ax in fig.axes if ax.get_visible() and ax.lines]) == 1
+    assert "Not drawn (search failed): zeta_new from toy-tiny (error)." in " ".join(
+        fig.texts[-1].get_text().split())
+
+    claim = dict(method="adama", versus="adamw", metric="largest_model_ratio", claim="c",
+                 setup="s", source="x")
+    ours = claim_table(summary, [claim]).iloc[0]
+    assert ours["n"] == 2 and ours["ours"].startswith("2.00x to 2.50x")

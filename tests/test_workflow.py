@@ -18,11 +18,13 @@ def test_smoke_profile_end_to_end(workflow_copy):
 
     summary = pd.read_csv(results / "summary.csv")
     assert list(summary.columns) == SUMMARY_COLUMNS
-    # methods x (memory + throughput + 2 seeds convergence + 2 memory sizes of capacity)
-    assert len(summary) == 2 * (1 + 1 + 2 + 2)
+    # methods x (memory + throughput + 2 seeds convergence + 2 memory sizes of capacity
+    # + 1 of model capacity)
+    assert len(summary) == 2 * (1 + 1 + 2 + 2 + 1)
     assert (summary.status == "ok").all(), summary[["result_file", "message"]]
-    assert set(summary.kind) == {"memory", "throughput", "convergence", "capacity"}
+    assert set(summary.kind) == {"memory", "throughput", "convergence", "capacity", "model_capacity"}
     assert summary.loc[summary.kind == "capacity", "largest_batch"].gt(0).all()
+    assert summary.loc[summary.kind == "model_capacity", "n_params"].gt(0).all()
     assert summary.loc[summary.kind == "memory", "peak_bytes"].gt(0).all()
     assert summary.loc[summary.kind == "throughput", "tokens_per_s"].gt(0).all()
 
