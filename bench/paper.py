@@ -19,7 +19,7 @@ import yaml
 
 from bench.plots import FIGURES
 from bench.results import write_text_atomic
-from bench.tables import (BASELINE, CATEGORIES, MODEL_CAPACITY_CELL, capacity_table,
+from bench.tables import (BASELINE, CATEGORIES, MODEL_CAPACITY_CELL, capacity_table, parameters_text,
                           largest_model_table, simulation_accuracy_table, claim_table, convergence_table, memory_table,
                          method_order, model_order, read_summary, throughput_table)
 
@@ -201,44 +201,54 @@ def largest_model_section(summary: pd.DataFrame) -> str | None:
     if table.empty:
         return None
     lines, rows = [], []
-    for key, g in table.groupby(MODEL_CAPACITY_CELL, dropna=False, sort=True):
-        family, seq, dtype, tier, batch, gb = key
-        where = f"{gb:g} GiB, {family} at batch {integer(batch)} (seq {integer(seq)}, {dtype}, {tier})"
-        ok = g[g["n_params"] > 0]
-        if ok.empty:
-            lines.append(f"- {where}: no method trains even {g['model'].iloc[0]}.")
-            continue
-        top = ok[ok["n_params"] == ok["n_params"].max()]
-        best = top.iloc[0]
-        base = g[(g["method"] == BASELINE) & (g["status"] == "ok")]
-        if base.empty:
-            versus = f"no {BASELINE} run"
-        elif base["n_params"].iloc[0] == 0:
-            versus = f"{BASELINE} trains none of the ladder"
-        else:
-            versus = (f"{best['n_params'] / base['n_params'].iloc[0]:.2f}x the parameters of "
-                      f"{BASELINE}'s {base['largest_model'].iloc[0]}")
-        names = ", ".join(method_order(top["method"]))
-        lines.append(f"- {where}: {names} train{'s' if len(top) == 1 else ''} "
-                     f"{best['largest_model']} ({best['n_params'] / 1e9:.2f} B parameters"
-                     f"{', the top of the ladder' if best['at_ladder_top'] == 1 else ''}); {versus}.")
-    for _, r in table.iterrows():
-        largest = r["largest_model"] or "none"
-        if r["at_ladder_top"] == 1:
-            largest = f">= {largest}"
-        pct = "baseline" if r["method"] == BASELINE else num(r["pct_vs_baseline"], "+.0f")
-        rows.append([r["family"], integer(r["batch_size"]), integer(r["seq_len"]), r["dtype"],
-                     r["memory_tier"], num(r["capacity_gb"], "g"), r["method"], r["status"],
-                     largest, num(r["n_params"] / 1e9, ".3f") if pd.notna(r["n_params"]) else None,
-                     pct])
+    cell = [c for c in MODEL_CAPACITY_CELL if c != "capacity_gb"]
+    sizes = sorted(table["capacity_gb"].unique())
+    for key, g in table.groupby(cell, dropna=False, sort=True):
+        family, seq, dtype, tier, batch = key
+        for gb, h in g.groupby("capacity_gb", sort=True):
+            lines.append(f"- {gb:g} GiB, {family} at batch {integer(batch)} (seq {integer(seq)}, "
+                         f"{dtype}, {tier}): {_largest_model_headline(h)}")
+        for method in method_order(g["method"]):
+            mine = g[g["method"] == method].set_index("capacity_gb")
+            rows.append([family, integer(batch), integer(seq), dtype, tier, method]
+                        + [_largest_model_text(mine.loc[gb]) if gb in mine.index else None
+                           for gb in sizes])
     return ("### Largest model\n\nThe largest size of each family that trains at the batch, "
             "per memory size, searched along the family's ladder (its published sizes and "
             "sizes between them with width and depth grown together; shape names read "
-            "<family>-d<width>-l<layers>). Headline: the method that trains the largest.\n\n"
+            "<family>-d<width>-l<layers>[-v<vocab>]), with its parameters. '>=': the ladder's "
+            "largest size fits. Headline: the method that trains the largest.\n\n"
             + "\n".join(lines) + "\n\n"
-            + markdown_table(rows, ["family", "batch", "seq", "dtype", "tier", "memory GiB",
-                                    "method", "status", "largest model", "parameters (B)",
-                                    f"% vs {BASELINE}"], "lrrllrlllrr"))
+            + markdown_table(rows, ["family", "batch", "seq", "dtype", "tier", "method"]
+                             + [f"{gb:g} GiB" for gb in sizes], "lrrlll" + "r" * len(sizes)))
+
+
+def _largest_model_text(r: pd.Series) -> str:
+    if r["status"] != "ok":
+        return r["status"]
+    if not r["n_params"]:
+        return "none"
+    return (">= " if r["at_ladder_top"] == 1 else "") + f"{r['largest_model']} ({parameters_text(r['n_params'])})"
+
+
+def _largest_model_headline(g: pd.DataFrame) -> str:
+    ok = g[g["n_params"] > 0]
+    if ok.empty:
+        return f"no method trains even {g['model'].iloc[0]}."
+    top = ok[ok["n_params"] == ok["n_params"].max()]
+    best = top.iloc[0]
+    base = g[(g["method"] == BASELINE) & (g["status"] == "ok")]
+    if base.empty:
+        versus = f"no {BASELINE} run"
+    elif base["n_params"].iloc[0] == 0:
+        versus = f"{BASELINE} trains none of the ladder"
+    else:
+        versus = (f"{best['n_params'] / base['n_params'].iloc[0]:.2f}x the parameters of "
+                  f"{BASELINE}'s {base['largest_model'].iloc[0]}")
+    names = ", ".join(method_order(top["method"]))
+    return (f"{names} train{'s' if len(top) == 1 else ''} {best['largest_model']} "
+            f"({parameters_text(best['n_params'])} parameters"
+            f"{', the top of the ladder' if best['at_ladder_top'] == 1 else ''}); {versus}.")
 
 
 def largest_batch_section(summary: pd.DataFrame) -> str | None:

@@ -33,8 +33,8 @@ from bench.results import atomic_path  # noqa: E402
 from bench.tables import (BASELINE, CATEGORIES,  # noqa: E402
                           CONVERGENCE_CELL, MEMORY_CELL, THROUGHPUT_CELL, capacity_table,
                           convergence_table, largest_model_table, memory_table, method_order,
-                          model_order, overview_table, read_curves, read_summary, status_text,
-                          throughput_table)
+                          model_order, overview_table, parameters_text, read_curves, read_summary,
+                          status_text, throughput_table)
 
 FIGURES = ["overview", "memory_breakdown", "throughput_relative", "convergence",
            "capacity_batch", "capacity_model"]
@@ -676,10 +676,6 @@ def _finish_capacity(fig, title: str, note: str, methods, colors, failed: pd.Dat
     _finish(fig, title, note, handles, ncol=min(len(methods), 5), title="method")
 
 
-def _parameters(v: float, _=None) -> str:
-    return "none" if v <= 0 else (f"{v / 1e9:.3g} B" if v >= 1e9 else f"{v / 1e6:.3g} M")
-
-
 def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
     """Largest model of each family that trains at a batch vs GPU memory (AdamA's figure)."""
     title = "Largest model that trains, per memory size"
@@ -702,7 +698,7 @@ def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
         _capacity_lines(ax, part, "capacity_gb", "n_params", methods, colors, floor,
                         part["at_ladder_top"])
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_parameters))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: parameters_text(v)))
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         _memory_axis(ax, part["capacity_gb"])
         ax.set_ylabel("largest model that trains (parameters)")

@@ -246,6 +246,11 @@ def capacity_table(summary: pd.DataFrame) -> pd.DataFrame:
     return cap.reindex(columns=cols).reset_index(drop=True)
 
 
+def parameters_text(n) -> str:
+    """A parameter count for people: '3.49 M', '1.56 B' ('none' for 0)."""
+    return "none" if not n or n <= 0 else (f"{n / 1e9:.3g} B" if n >= 1e9 else f"{n / 1e6:.3g} M")
+
+
 def largest_model_table(summary: pd.DataFrame) -> pd.DataFrame:
     """One row per (family, sequence, dtype, tier, batch, memory size, method) of the
     model_capacity jobs: the largest size of the family that trains at that batch
@@ -336,7 +341,7 @@ CLAIM_METRICS = {
                                                            "memory_tier", "batch_size", "capacity_gb"],
                             _capacity_ratio("the baseline trains no size of the ladder", lambda r: (
                                 f"{r.capacity_gb:g} GiB from {r.model} at batch {int(r.batch_size)}: "
-                                f"{r.v / 1e9:.2f} B -> {r.m / 1e9:.2f} B"))),
+                                f"{parameters_text(r.v)} -> {parameters_text(r.m)}"))),
     "largest_batch_ratio": ("capacity", "largest_batch", ["model", "seq_len", "dtype",
                                                            "memory_tier", "capacity_gb"],
                             _capacity_ratio("the baseline fits no batch", lambda r: (

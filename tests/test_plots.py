@@ -207,10 +207,12 @@ def test_largest_model_table_report_figure_and_claim(tmp_path):
 
     text = paper.capacity_section(summary)
     assert ("- 24 GiB, toy at batch 8 (seq 16, float32, simulated): adama trains toy-big "
-            "(0.50 B parameters, the top of the ladder); 2.50x the parameters of adamw's "
+            "(500 M parameters, the top of the ladder); 2.50x the parameters of adamw's "
             "toy-d256-l2.") in text
-    assert re.search(r"\| toy \| 8 \| 16 \| float32 \| simulated \| 16 \| zeta_new \| ok \| none \| "
-                     r"0\.000 \| -100 \|", text)
+    assert ("| toy | 8 | 16 | float32 | simulated | adamw | toy-d128-l2 (100 M) | "
+            "toy-d256-l2 (200 M) |") in text
+    assert "| adama | toy-d256-l2 (200 M) | >= toy-big (500 M) |" in text
+    assert "| zeta_new | none | error |" in text
     assert "_No capacity jobs._" not in text and "### Largest batch" not in text
 
     fig = plots.figure_capacity_model(summary)
