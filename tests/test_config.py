@@ -25,7 +25,8 @@ def test_default_config_plans_every_method_module():
     assert kinds == {"memory", "throughput", "convergence", "capacity", "model_capacity"}
 
 
-@pytest.mark.parametrize("profile", ["quick", "full", "paper-memory", "galore-ranks", "smoke"])
+@pytest.mark.parametrize("profile", ["quick", "full", "paper-memory", "gpu-capacity", "tempo", "roam",
+                                     "galore-ranks", "microadam", "smoke"])
 def test_every_profile_plans(profile):
     config = copy.deepcopy(CONFIG)
     config["profile"] = profile
