@@ -698,6 +698,7 @@ def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
         _capacity_lines(ax, part, "capacity_gb", "n_params", methods, colors, floor,
                         part["at_ladder_top"])
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: parameters_text(v)))
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         _memory_axis(ax, part["capacity_gb"])
