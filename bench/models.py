@@ -20,6 +20,8 @@ MODELS: dict[str, tuple[str, dict]] = {
     # larger shapes of the GPT-3 paper (Brown et al. 2020, Table 2.1) on the GPT-2 architecture
     "gpt2-2.7b": ("gpt2", dict(n_layer=32, n_embd=2560, n_head=32)),
     "gpt2-6.7b": ("gpt2", dict(n_layer=32, n_embd=4096, n_head=32)),
+    # GPT-3 13B's width is 5140 in the paper; 5120 here, so that its 40 heads divide it
+    "gpt2-13b": ("gpt2", dict(n_layer=40, n_embd=5120, n_head=40)),
     # BERT (Devlin et al. 2019), masked-LM head
     "bert-tiny": ("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
                                intermediate_size=512, vocab_size=256, max_position_embeddings=512)),

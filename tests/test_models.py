@@ -8,7 +8,7 @@ PUBLISHED = {  # millions of parameters, as the model's authors count them
     "gpt2-small": 124, "gpt2-medium": 355, "gpt2-large": 774, "gpt2-xl": 1558,
     "bert-base": 110, "bert-large": 335,
     "llama-60m": 60, "llama-130m": 130, "llama-350m": 350, "llama-1b": 1340, "llama-7b": 6740,
-    "gpt2-2.7b": 2700, "gpt2-6.7b": 6700, "bert-1.3b": 1300, "bert-3.9b": 3900,
+    "gpt2-2.7b": 2700, "gpt2-6.7b": 6700, "gpt2-13b": 13000, "bert-1.3b": 1300, "bert-3.9b": 3900,
     "llama-13b": 13000, "llama-33b": 32500, "llama-65b": 65200,
 }
 # GaLore's LLaMA names round loosely (60M is 58M, 350M is 368M; "1B" is 1.34B with
