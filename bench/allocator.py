@@ -185,3 +185,8 @@ def replay(events, limit_bytes: int | None = None) -> Replay:
         else:
             alloc.free(event[1])
     return Replay(True, alloc.allocated_peak, alloc.reserved_peak, alloc.retries)
+
+
+def replay_on_gpu(events, memory_bytes: int) -> Replay:
+    """`replay` on a GPU of `memory_bytes`, of which the CUDA context takes its share."""
+    return replay(events, memory_bytes - CUDA_CONTEXT_BYTES)

@@ -68,6 +68,7 @@ def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
     oracles: dict[int, _Oracle] = {}
     weights = {}  # rung -> (parameters, bytes of the weights), from a build on the meta device
     noted: set = set()  # (rung, capacity) whose weights were found to exceed it
+    biggest = int(max(memory_gb) * 2**30)
 
     def weight_bytes(i: int) -> int:
         if i not in weights:
@@ -94,13 +95,12 @@ def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
         return True
 
     def need(k: int) -> int | None:  # k = rung + 1; k = 0 is "no size fits"
-        biggest = int(max(memory_gb) * 2**30)
         return weight_bytes(k - 1) if too_large(k - 1, biggest) else oracle(k - 1).need(job.batch_size)
 
     def known() -> dict:
         return {i + 1: o.need_of(o.records[job.batch_size]) for i, o in oracles.items()
                 if job.batch_size in o.records} | {i + 1: b for i, (_, b) in weights.items()
-                                                   if b > max(memory_gb) * 2**30}
+                                                   if b > biggest}
 
     def error() -> str | None:
         return next((o.error for o in oracles.values() if o.error), None)
@@ -313,7 +313,7 @@ class _Oracle:
             trace = self.traces[batch]
             if self.records[batch]["status"] != "ok":
                 return False
-            return allocator.replay(trace, capacity - allocator.CUDA_CONTEXT_BYTES).fits
+            return allocator.replay_on_gpu(trace, capacity).fits
         key = (batch, capacity)
         if key not in self.capped:
             record = runner.run(replace(self.job, batch_size=batch, capacity_gb=capacity / 2**30))

@@ -19,9 +19,10 @@ import yaml
 
 from bench.plots import FIGURES
 from bench.results import write_text_atomic
-from bench.tables import (BASELINE, CATEGORIES, MODEL_CAPACITY_CELL, capacity_table, parameters_text,
-                          largest_model_table, simulation_accuracy_table, claim_table, convergence_table, memory_table,
-                         method_order, model_order, read_summary, throughput_table)
+from bench.tables import (BASELINE, CATEGORIES, MODEL_CAPACITY_CELL, capacity_table, claim_table,
+                          convergence_table, largest_model_table, memory_table, method_order,
+                          model_order, parameters_text, read_summary, simulation_accuracy_table,
+                          throughput_table)
 
 FIGURE_CAPTIONS = {
     "overview": f"Peak memory vs throughput, both relative to {BASELINE}, and the final-loss gap.",

@@ -144,6 +144,10 @@ def _devices_text(summary_part: pd.DataFrame) -> str:
     return "; ".join(f"{d} ({n})" if n else d for d, n in pairs) or "unknown device"
 
 
+def _tiers_text(summary_part: pd.DataFrame) -> str:
+    return ", ".join(sorted(set(summary_part["memory_tier"].dropna()))) or "unknown"
+
+
 def _method_label(method: str, micro_batches) -> str:
     if pd.notna(micro_batches) and micro_batches > 1:
         return f"{method}\n({int(micro_batches)} micro-batches)"
@@ -200,9 +204,8 @@ def figure_memory_breakdown(summary: pd.DataFrame) -> plt.Figure:
         ax.set_xlabel("peak memory (MiB)")
         ax.set_title(_cell_title(cell, show_device), fontsize=10)
         ax.grid(axis="y", visible=False)
-    tiers = ", ".join(sorted(set(mem["memory_tier"].dropna()))) or "unknown"
     handles = [Patch(color=colors[c], label=c) for c in CATEGORIES]
-    _finish(fig, f"{title} (memory tier: {tiers}; device: {_devices_text(mem)})",
+    _finish(fig, f"{title} (memory tier: {_tiers_text(mem)}; device: {_devices_text(mem)})",
             f"Number at each bar: peak MiB (change vs {BASELINE} in the same panel). "
             "A job that did not finish shows its status in red instead of a bar.",
             handles, ncol=len(CATEGORIES), title="memory category (stacked left to right)")
@@ -629,8 +632,7 @@ def figure_capacity_batch(summary: pd.DataFrame) -> plt.Figure:
     table = capacity_table(summary)
     if table.empty:
         return no_data_figure(title, "no capacity jobs in the summary")
-    failed = table[table["status"] != "ok"][["method", "model", "status"]].drop_duplicates()
-    table = table[table["status"] == "ok"]
+    table, failed = _ok_and_failed(table)
     if table.empty:
         return no_data_figure(title, "no capacity job finished ok")
     methods = method_order(table["method"])
@@ -651,8 +653,7 @@ def figure_capacity_batch(summary: pd.DataFrame) -> plt.Figure:
         ax.set_ylabel("largest batch (sequences)")
         ax.set_title(f"{cell['model']} · seq {_fmt_num(cell['seq_len'])} · {cell['dtype']}",
                      fontsize=10)
-    tiers = ", ".join(sorted(set(table["memory_tier"].dropna()))) or "unknown"
-    _finish_capacity(fig, f"{title} (memory tier: {tiers})",
+    _finish_capacity(fig, title, table,
                      "Each point is a search's answer: that batch fits and the next one (one "
                      "more micro-batch) does not, both run. x on the floor: not even one "
                      "micro-batch fits. Open triangle: the search's largest batch fitted, so the "
@@ -663,17 +664,25 @@ def figure_capacity_batch(summary: pd.DataFrame) -> plt.Figure:
     return fig
 
 
-def _finish_capacity(fig, title: str, note: str, methods, colors, failed: pd.DataFrame,
-                     where: str) -> None:
-    """A capacity figure's title, a legend line per method and the note, which lists the
-    searches that failed (`failed`: method, model, status)."""
+def _ok_and_failed(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The searches that finished ok, and (method, model, status) of those that did not."""
+    failed = table[table["status"] != "ok"][["method", "model", "status"]].drop_duplicates()
+    return table[table["status"] == "ok"], failed
+
+
+def _finish_capacity(fig, title: str, table: pd.DataFrame, note: str, methods, colors,
+                     failed: pd.DataFrame, where: str) -> None:
+    """A capacity figure's title (with the memory tiers of `table`, its drawn rows), a
+    legend line per method and the note, which lists the searches that failed (`failed`:
+    method, model, status)."""
     handles = [Line2D([], [], color=colors[m], marker=MARKERS[i % len(MARKERS)],
                       linestyle=LINESTYLES[i % len(LINESTYLES)], label=m)
                for i, m in enumerate(methods)]
     if not failed.empty:
         note += " Not drawn (search failed): " + "; ".join(
             f"{r.method} {where} {r.model} ({r.status})" for r in failed.itertuples()) + "."
-    _finish(fig, title, note, handles, ncol=min(len(methods), 5), title="method")
+    _finish(fig, f"{title} (memory tier: {_tiers_text(table)})", note, handles,
+            ncol=min(len(methods), 5), title="method")
 
 
 def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
@@ -682,8 +691,7 @@ def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
     table = largest_model_table(summary)
     if table.empty:
         return no_data_figure(title, "no model_capacity jobs in the summary")
-    failed = table[table["status"] != "ok"][["method", "model", "status"]].drop_duplicates()
-    table = table[table["status"] == "ok"]
+    table, failed = _ok_and_failed(table)
     if table.empty:
         return no_data_figure(title, "no model_capacity job finished ok")
     methods = method_order(table["method"])
@@ -706,8 +714,7 @@ def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
         ax.set_title(f"{cell['family']} from {part['model'].iloc[0]} · batch "
                      f"{_fmt_num(cell['batch_size'])} · seq {_fmt_num(cell['seq_len'])} · "
                      f"{cell['dtype']}", fontsize=10)
-    tiers = ", ".join(sorted(set(table["memory_tier"].dropna()))) or "unknown"
-    _finish_capacity(fig, f"{title} (memory tier: {tiers})",
+    _finish_capacity(fig, title, table,
                      "Each point is a search's answer along the family's ladder of sizes (its "
                      "published sizes, and sizes between them with width and depth grown "
                      "together, about 1.25x the layer weights per step): that size trains at the "

@@ -138,10 +138,8 @@ def _capacity(job: Job, method: Method) -> dict:
     unit = method.hp["micro_batches"]
     if job.kind == "capacity":
         found = capacity.search(job, job.memory_gb, job.batch_size, unit)
-    else:
-        if job.batch_size % unit:
-            raise ValueError(f"batch size {job.batch_size} is not divisible by micro_batches="
-                             f"{unit} of {method.name}")
+    else:  # every size runs at the job's batch: check it once, before any is built
+        _check_batch(job, method)
         found = capacity.search_model(job, job.memory_gb, unit)
     first = next((r for r in found["runs"] if r.get("n_params") and r["model"] == job.model), {})
     out = {"capacity": found, "n_params": first.get("n_params")}
@@ -170,11 +168,15 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def _setup(job: Job, method: Method, fake=None):
-    models.config_of(job.model)  # a clear error for an unknown name
+def _check_batch(job: Job, method: Method) -> None:
     if job.batch_size % method.hp["micro_batches"]:
         raise ValueError(f"batch size {job.batch_size} is not divisible by micro_batches="
                          f"{method.hp['micro_batches']} of {method.name}")
+
+
+def _setup(job: Job, method: Method, fake=None):
+    models.config_of(job.model)  # a clear error for an unknown name
+    _check_batch(job, method)
     if job.seq_len > models.max_positions(job.model):
         raise ValueError(f"seq_len {job.seq_len} exceeds {job.model}'s {models.max_positions(job.model)} positions")
     if job.device.startswith("cuda"):
@@ -269,7 +271,7 @@ def _predict_gpu(events: list, capacity_gb: float | None) -> dict:
                  "context_bytes": allocator.CUDA_CONTEXT_BYTES,
                  "predicted_gpu_bytes": free_run.reserved_peak_bytes + allocator.CUDA_CONTEXT_BYTES}
     if capacity_gb:
-        capped = allocator.replay(events, int(capacity_gb * 2**30) - allocator.CUDA_CONTEXT_BYTES)
+        capped = allocator.replay_on_gpu(events, int(capacity_gb * 2**30))
         if not capped.fits:
             raise CapacityExceeded(
                 f"predicted out of memory on a {capacity_gb:g} GiB GPU: a {capped.failed_request_bytes:,}"

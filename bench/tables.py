@@ -233,7 +233,6 @@ def overview_table(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["method", "model", "mem_ratio", "thr_ratio", "note"])
 
 
-CAPACITY_CELL = ["family", "seq_len", "dtype", "memory_tier", "capacity_gb"]
 MODEL_CAPACITY_CELL = ["family", "seq_len", "dtype", "memory_tier", "batch_size", "capacity_gb"]
 
 
@@ -358,8 +357,9 @@ def claim_table(summary: pd.DataFrame, claims: list[dict]) -> pd.DataFrame:
 
     Metrics: `largest_batch_ratio` and `largest_model_ratio` (largest batch, or parameters
     of the largest model, divided by the other method's, per memory size; model pairs
-    where either answer is the ladder's top are left out), `peak_memory_change` and `state_memory_change` (% change of peak bytes, or of
-    param + grad + optimizer bytes at the peak, per memory cell), `throughput_ratio`
+    where either answer is the ladder's top are left out), `peak_memory_change` and
+    `state_memory_change` (% change of peak bytes, or of param + grad + optimizer bytes
+    at the peak, per memory cell), `throughput_ratio`
     (per throughput cell), `final_loss_gap` (final loss minus the other method's, paired by
     seed, per task and model). `ours` gives the range over cells; `n` counts them.
     """
