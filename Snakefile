@@ -12,9 +12,8 @@ from snakemake.utils import min_version, validate
 
 min_version("9.0")
 
-sys.path.insert(0, workflow.basedir)
-from bench.plan import ConfigError, plan, validate_schema
-from bench.plots import FIGURES
+from bench.suite import ConfigError, plan, validate_schema
+from bench.report.figures import FIGURES
 
 configfile: "config/config.yaml"
 try:
@@ -70,7 +69,7 @@ rule aggregate:
         summary="results/summary.csv",
         curves="results/curves.csv",
     log: "results/logs/aggregate.log"
-    shell: "{PYTHON} -m bench.aggregate --summary {output.summary} --curves {output.curves} {input} 2> {log}"
+    shell: "{PYTHON} -m bench.report.aggregate --summary {output.summary} --curves {output.curves} {input} 2> {log}"
 
 
 rule figures:
@@ -80,7 +79,7 @@ rule figures:
         curves="results/curves.csv",
     output: expand("results/figures/{name}.{ext}", name=FIGURES, ext=["png", "pdf"])
     log: "results/logs/figures.log"
-    shell: "{PYTHON} -m bench.plots --summary {input.summary} --curves {input.curves} --out results/figures 2> {log}"
+    shell: "{PYTHON} -m bench.report.figures --summary {input.summary} --curves {input.curves} --out results/figures 2> {log}"
 
 
 rule paper:
@@ -90,4 +89,4 @@ rule paper:
         claims="paper/claims.yaml",
         figures=expand("results/figures/{name}.png", name=FIGURES),
     output: "paper/results.md"
-    shell: "{PYTHON} -m bench.paper --summary {input.summary} --claims {input.claims} --out {output}"
+    shell: "{PYTHON} -m bench.report.markdown --summary {input.summary} --claims {input.claims} --out {output}"

@@ -9,11 +9,12 @@ import argparse
 import json
 import sys
 
-from bench import results
+from bench.measure import records as results
 from bench.method import available
 from bench.models import MODELS, is_known
 from bench.data import TASKS
-from bench.runner import DTYPES, KINDS, Job, run
+from bench.job import DTYPE_NAMES, KINDS, Job
+from bench.measure.runner import run
 
 
 def parse_hparam(text: str):
@@ -58,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="result JSON path (written atomically)")
     p.add_argument("--seed", type=int, default=0, help="seeds model init and data (default 0)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="parameter dtype")
     p.add_argument("--task", default="markov", choices=sorted(TASKS), help="training data (default markov)")
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--dropout", type=float, default=None, help="override the model's dropout")

@@ -29,7 +29,7 @@ import json
 
 import torch
 
-from bench.plan import available_methods as available
+from methods import available
 
 BASE_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, micro_batches=1)
 
@@ -45,7 +45,7 @@ class Method:
     plans_per_shape: bool = False
 
     def __init__(self):
-        self.name = type(self).__module__.rsplit(".", 1)[-1]
+        self.name = _module_name(type(self).__module__)
         self.hp = {**BASE_DEFAULTS, **self.defaults}
         self.report: dict = {}
 
@@ -105,6 +105,13 @@ def split_batch(batch: dict, n: int) -> list[dict]:
         raise MethodError(f"batch size {size} cannot be split into {n} equal micro-batches")
     chunks = {k: v.chunk(n) for k, v in batch.items()}
     return [{k: chunks[k][i] for k in batch} for i in range(n)]
+
+
+def _module_name(module: str) -> str:
+    """`methods.roam` or `methods.roam.method` -> `roam`; a class outside methods/ (a
+    test's) is named after its own module."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "methods" and len(parts) > 1 else parts[-1]
 
 
 def _overrides(member: Method, name: str) -> bool:

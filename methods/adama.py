@@ -43,7 +43,7 @@ import math
 import torch
 
 from bench.method import Method, MethodError, lm_loss, split_batch
-from bench.release import GradientRelease
+from methods._common.release import GradientRelease
 
 STATE_DTYPES = ("param", "float32", "bfloat16", "int8")
 BLOCK = 256  # elements per quantisation block

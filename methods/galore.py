@@ -64,7 +64,7 @@ import math
 import torch
 
 from bench.method import Method, MethodError
-from bench.optim import PerParameterOptimizer
+from methods._common.optim import PerParameterOptimizer
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 TARGET_MODULES = ("attn", "mlp", "attention", "intermediate", "output.dense")

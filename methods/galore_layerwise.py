@@ -22,7 +22,7 @@ parameter's gradient alive at a time); the SVD refreshes run inside backward.
 from __future__ import annotations
 
 from bench.method import MethodError, lm_loss
-from bench.release import GradientRelease
+from methods._common.release import GradientRelease
 from methods.galore import GaLore, GaLoreAdamW, param_groups
 
 

@@ -88,7 +88,7 @@ import math
 import torch
 
 from bench.method import Method, MethodError
-from bench.optim import PerParameterOptimizer
+from methods._common.optim import PerParameterOptimizer
 
 INDEX_LIMIT = 32768  # top-k indices are int16, relative to their block: block < 32768
 LEVELS = 15  # 4-bit codes 0..15

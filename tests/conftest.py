@@ -4,7 +4,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 
 def lm_batch(n: int, t: int, vocab: int = 256, seed: int = 0) -> dict:
@@ -21,7 +20,7 @@ def lm_batch(n: int, t: int, vocab: int = 256, seed: int = 0) -> dict:
 @pytest.fixture
 def tiny_job():
     """A factory for small, fast jobs on the CPU."""
-    from bench.runner import Job
+    from bench.job import Job
 
     def make(**kw):
         base = dict(kind="memory", method="adamw", model="gpt2-tiny", batch_size=4, seq_len=32)
@@ -30,7 +29,8 @@ def tiny_job():
     return make
 
 
-WORKFLOW_PARTS = ("Snakefile", "bench", "methods", "config", "profiles", "paper/claims.yaml")
+WORKFLOW_PARTS = ("Snakefile", "pyproject.toml", "bench", "methods", "config", "profiles",
+                  "paper/claims.yaml")
 
 
 @pytest.fixture

@@ -1,0 +1,323 @@
+"""The largest batch, and the largest model, that fits per memory size: searches, not grids.
+
+`fits(B, C)` asks whether a training step at batch B (a memory job: a warm-up step, then
+a measured step) fits in C GiB. How it is answered depends on the tier:
+
+- simulated (fake tensors, CPU): the step's allocation trace is replayed through the
+  CUDA caching-allocator model (`bench.measure.allocator`) with C minus the CUDA context; one
+  fake model serves the whole search (`_Simulation`) and one step per batch answers
+  every C;
+- tracked (real tensors, CPU): a real run with the tracker capped at C: live tensor
+  bytes over C raise, and that `oom` is "does not fit";
+- measured (CUDA): a real run with the allocator capped at C
+  (`set_per_process_memory_fraction`); an out-of-memory error is "does not fit".
+
+Peak memory is close to linear in the batch (activations grow with it, the rest does
+not), so two probes give a line, the line gives a guess per C, and the search gallops and
+bisects from the guess to the boundary: the answer B fits and B + one unit (the method's micro-batch
+count, since a batch must split into equal micro-batches) does not, both run, not
+extrapolated. Every run is kept in the result as evidence.
+
+The largest model (`search_model`) is the same search over the family's ladder of sizes
+(`bench.models.ladder`) at a fixed batch: peak memory grows about geometrically along
+it, so the secant steps work on log bytes.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import replace
+
+from bench import data, models
+from bench.measure import allocator, runner
+from bench.measure.tracker import MemoryTracker, cuda_kernels
+from bench.method import load
+from bench.job import Job
+
+
+def search(job: Job, memory_gb: list[float], max_batch: int, unit: int) -> dict:
+    """Largest batch (a multiple of `unit`, at most `max_batch`) that fits in each memory
+    size; `job` gives the model, method and settings (its batch size is not used)."""
+    oracle = _Oracle(job, unit)
+    sizes = []
+    for gb in sorted(memory_gb):
+        capacity = int(gb * 2**30)
+        most = max(1, max_batch // unit)
+        known = lambda: {b // unit: n for b, n in oracle.needs().items() if b % unit == 0}  # noqa: E731
+        guess = _guess(lambda k: oracle.need(k * unit), known, capacity, most, probes=(1, 8))
+        k = _largest(lambda k: oracle.fits(k * unit, capacity), guess, max_batch // unit)
+        best = k * unit
+        print(f"[capacity {job.method} {job.model}] {gb:g} GiB: largest batch {best}"
+              f"{' (the cap)' if best and k == max_batch // unit else ''}; {len(oracle.runs)} runs "
+              f"so far", file=sys.stderr, flush=True)
+        record = oracle.records.get(best) or oracle.capped.get((best, capacity))
+        sizes.append({"memory_gb": gb, "largest_batch": best, "at_max_batch": k == max_batch // unit,
+                      "needed_bytes_at_largest": oracle.need_of(record) if record else None})
+    return {"tier": oracle.tier, "unit": unit, "max_batch": max_batch,
+            "context_bytes": allocator.CUDA_CONTEXT_BYTES if oracle.simulated else 0,
+            "sizes": sizes, "runs": oracle.runs, "error": oracle.error}
+
+
+def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
+    """Largest size of the model's family (from `job.model` up `models.ladder`) whose
+    training step at `job.batch_size` fits each memory size. Rung by rung as the batch
+    search goes batch by batch (probes, secant steps on log bytes, then a boundary where
+    one size fits and the next does not, both answered as that search answers them), with
+    one shortcut: a size whose weights alone exceed the memory cannot fit, and is not built."""
+    rungs = models.ladder(job.model)
+    runs: list[dict] = []
+    oracles: dict[int, _Oracle] = {}
+    weights = {}  # rung -> (parameters, bytes of the weights), from a build on the meta device
+    noted: set = set()  # (rung, capacity) whose weights were found to exceed it
+    biggest = int(max(memory_gb) * 2**30)
+
+    def weight_bytes(i: int) -> int:
+        if i not in weights:
+            import torch
+
+            with torch.device("meta"):
+                n = models.n_params(models.build(rungs[i], job.attn_implementation))
+            weights[i] = (n, n * runner.DTYPES[job.dtype].itemsize)
+        return weights[i][1]
+
+    def oracle(i: int) -> _Oracle:
+        if i not in oracles:
+            oracles[i] = _Oracle(replace(job, model=rungs[i]), unit, runs)
+        return oracles[i]
+
+    def too_large(i: int, capacity: int) -> bool:
+        if weight_bytes(i) <= capacity:
+            return False
+        if (i, capacity) not in noted:
+            noted.add((i, capacity))
+            runs.append({"model": rungs[i], "batch_size": job.batch_size, "status": "weights exceed",
+                         "weight_bytes": weight_bytes(i), "capacity_gb": capacity / 2**30,
+                         "n_params": weights[i][0]})
+        return True
+
+    def need(k: int) -> int | None:  # k = rung + 1; k = 0 is "no size fits"
+        return weight_bytes(k - 1) if too_large(k - 1, biggest) else oracle(k - 1).need(job.batch_size)
+
+    def known() -> dict:
+        return {i + 1: o.need_of(o.records[job.batch_size]) for i, o in oracles.items()
+                if job.batch_size in o.records} | {i + 1: b for i, (_, b) in weights.items()
+                                                   if b > biggest}
+
+    def error() -> str | None:
+        return next((o.error for o in oracles.values() if o.error), None)
+
+    def fits(k: int, capacity: int) -> bool:
+        return (not error() and not too_large(k - 1, capacity)
+                and oracle(k - 1).fits(job.batch_size, capacity))
+
+    sizes = []
+    for gb in sorted(memory_gb):
+        capacity = int(gb * 2**30)
+        guess = _guess(need, known, capacity, len(rungs), probes=(1, 1 + len(rungs) // 4), log=True)
+        k = _largest(lambda k: fits(k, capacity), guess, len(rungs))
+        best = rungs[k - 1] if k else None
+        record = oracles[k - 1].records.get(job.batch_size) if k else None
+        print(f"[model capacity {job.method} from {job.model}] {gb:g} GiB: largest model "
+              f"{best or 'none'}{' (the ladder top)' if k == len(rungs) else ''}; "
+              f"{len(runs)} runs so far", file=sys.stderr, flush=True)
+        sizes.append({"memory_gb": gb, "largest_model": best,
+                      "n_params": weights[k - 1][0] if k else 0, "at_ladder_top": k == len(rungs),
+                      "needed_bytes_at_largest": oracles[k - 1].need_of(record) if record else None})
+    first = next(iter(oracles.values()), None)
+    return {"tier": first.tier if first else ("simulated" if job.simulate else "tracked"),
+            "batch_size": job.batch_size, "ladder": rungs,
+            "context_bytes": allocator.CUDA_CONTEXT_BYTES if job.simulate else 0,
+            "sizes": sizes, "runs": runs, "error": error()}
+
+
+def _guess(need, known, capacity: int, most: int, probes: tuple[int, ...], log: bool = False) -> int:
+    """Largest k in [0, most] whose need is at most `capacity`, by interpolation on the
+    needs measured so far (`known()`: k -> bytes, None for a failed run; `need(k)` runs
+    k): the probes first, then a secant step per run, on log bytes with `log` (the model
+    ladder's sizes grow geometrically). Secant steps converge in a few runs even where the
+    need bends (the peak moves from the optimizer step to the backward pass as the batch
+    grows)."""
+    f = math.log if log else float
+    for k in probes:
+        need(min(k, most))
+    lo = (0, None)
+    for _ in range(12):
+        points = sorted(known().items())
+        below = [(k, n) for k, n in points if n is not None and n <= capacity]
+        above = [(k, n) for k, n in points if n is None or n > capacity]
+        lo = below[-1] if below else (0, None)
+        hi = above[0] if above else None
+        if hi is not None and hi[0] - lo[0] <= 1 or hi is None and lo[0] >= most:
+            return lo[0]
+        line = [p for p in (below[-2:] if hi is None else [lo, hi]) if p[1] is not None]
+        if len(line) == 2 and line[1][1] > line[0][1]:
+            (k0, n0), (k1, n1) = line
+            k = k0 + math.floor((f(capacity) - f(n0)) * (k1 - k0) / (f(n1) - f(n0)))
+        else:
+            k = 2 * lo[0] if hi is None else (lo[0] + hi[0]) // 2
+        upper = most if hi is None else hi[0] - 1
+        need(min(max(k, lo[0] + 1), upper))
+    return lo[0]
+
+
+def _largest(fits, guess: int, most: int) -> int:
+    """Largest k in [0, most] with fits(k), fits being monotone (k = 0 always fits):
+    gallop from the guess to a bracket fits(lo) / not fits(hi), then bisect. With a good
+    guess this runs fits twice: at the answer and one above it."""
+    k = min(max(guess, 1), most)
+    if fits(k):
+        lo, step = k, 1
+        while True:
+            if lo == most:
+                return most
+            hi = min(lo + step, most)
+            if not fits(hi):
+                break
+            lo, step = hi, 2 * step
+    else:
+        hi, step = k, 1
+        while True:
+            lo = max(hi - step, 0)
+            if lo == 0 or fits(lo):
+                break
+            hi, step = lo, 2 * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+class _Simulation:
+    """A simulated search's runs on one fake model: the warm-up step once (it creates the
+    optimizer state), then one measured step per batch size, each as in a memory job. A
+    step's allocation trace for the allocator model is the warm-up's, then the changes
+    of the persistent state since (storages freed, storages made), then the step's own,
+    so the replay sees a step that follows a warm-up. Half the work of a fresh memory job
+    per batch size, and the same live bytes (tests hold it)."""
+
+    def __init__(self, job: Job, unit: int):
+        self.job = job
+        self.method = load(job.method, job.hparams)
+        self.fake = runner._fake_mode()
+        warm = replace(job, kind="memory", batch_size=unit)
+        self.model, stream = runner._setup(warm, self.method, self.fake)
+        self.task, self.objective = stream.task, stream.objective
+        self.n_params = models.n_params(self.model)
+        self.events: list = []
+        self.tracker = MemoryTracker(events=self.events)
+        self.tracker.register_model(self.model)
+        batch = self._batch(unit)
+        with self.fake, self.tracker, cuda_kernels():
+            self.optimizer = self.method.make_optimizer(self.model)
+            self.method.train_step(self.model, self.optimizer, batch)
+            del batch
+            self.tracker.label(self.method.state_tensors(self.optimizer), "optimizer")
+        self.prefix = list(self.events)
+        self.prefix_live = self._live()
+
+    def _live(self) -> dict:
+        return {key: entry[0] for key, entry in self.tracker._live.items()}
+
+    def _batch(self, size: int) -> dict:
+        stream = data.Stream(self.task, self.objective, models.vocab_size(self.job.model), size,
+                             self.job.seq_len, self.job.seed)
+        batch = {k: self.fake.from_tensor(v) for k, v in stream.next().items()}
+        self.tracker.register(batch.values(), "other")
+        return batch
+
+    def measure(self, batch_size: int) -> tuple[dict, list]:
+        """A memory-job-like record of one measured step at `batch_size`, and its trace."""
+        live = self._live()
+        trace = (self.prefix + [("free", k) for k in self.prefix_live if k not in live]
+                 + [("alloc", k, n) for k, n in live.items() if k not in self.prefix_live])
+        mark = len(self.events)
+        self.tracker.register_model(self.model)  # the grad hooks, removed on each exit
+        batch = self._batch(batch_size)  # made outside fake mode: real tokens, then faked
+        with self.fake, self.tracker, cuda_kernels():
+            if self.method.plans_per_shape:  # this shape's planning step first
+                self.method.train_step(self.model, self.optimizer, batch)
+            self.tracker.reset_peak()
+            self.method.train_step(self.model, self.optimizer, batch)
+            self.tracker.label(self.method.state_tensors(self.optimizer), "optimizer")
+            del batch
+        trace += self.events[mark:]
+        del self.events[mark:]
+        split = self.tracker.peak_split.as_row()
+        memory = {"tier": "simulated", **split, **runner._predict_gpu(trace, None)}
+        return {"status": "ok", "message": None, "memory": memory, "n_params": self.n_params}, trace
+
+
+class _Oracle:
+    """Runs memory jobs at a batch size (each batch once) and answers fits(B, C)."""
+
+    def __init__(self, job: Job, unit: int, runs: list | None = None):
+        self.job = replace(job, kind="memory", capacity_gb=None)
+        self.unit = unit
+        self.sim: _Simulation | None = None
+        self.simulated = job.simulate
+        self.cuda = job.device.startswith("cuda")
+        self.tier = "simulated" if self.simulated else ("measured" if self.cuda else "tracked")
+        self.traces: dict[int, list] = {}
+        self.records: dict[int, dict] = {}
+        self.capped: dict[tuple, dict] = {}  # (batch, capacity) -> record of a capped run
+        self.runs: list[dict] = [] if runs is None else runs  # shared by a model search's sizes
+        self.error: str | None = None
+
+    def _simulate(self, batch: int) -> tuple[dict, list | None]:
+        try:
+            if self.sim is None:
+                self.sim = _Simulation(self.job, self.unit)
+            return self.sim.measure(batch)
+        except Exception as e:  # recorded as the search's error, like a failed memory job
+            return {"status": "error", "message": runner.error_message(e, simulated=True)}, None
+
+    def _note(self, record: dict, batch: int, capacity_gb: float | None) -> None:
+        """Keep a run as evidence; the first failure that is not out-of-memory ends the search."""
+        if record["status"] not in ("ok", "oom") and self.error is None:
+            self.error = record["message"]
+        self.runs.append({"model": self.job.model, "batch_size": batch, "status": record["status"],
+                          "peak_bytes": record.get("memory", {}).get("peak_bytes"),
+                          "needed_bytes": self.need_of(record), "capacity_gb": capacity_gb,
+                          "n_params": record.get("n_params")})
+
+    def _record(self, batch: int) -> dict:
+        if batch not in self.records:
+            if self.simulated:
+                record, events = self._simulate(batch)
+            else:
+                record, events = runner.run(replace(self.job, batch_size=batch)), None
+            self.records[batch], self.traces[batch] = record, events
+            self._note(record, batch, None)
+        return self.records[batch]
+
+    def need_of(self, record: dict) -> int | None:
+        mem = record.get("memory") or {}
+        if record["status"] != "ok":
+            return None
+        if self.simulated:
+            return mem["predicted_gpu_bytes"]
+        return mem.get("reserved_peak_bytes") if self.cuda else mem["peak_bytes"]
+
+    def needs(self) -> dict[int, int | None]:
+        """Batch -> bytes needed, for every uncapped run so far."""
+        return {b: self.need_of(r) for b, r in self.records.items()}
+
+    def need(self, batch: int) -> int | None:
+        """Bytes the step needs at `batch` (None if it failed)."""
+        return self.need_of(self._record(batch))
+
+    def fits(self, batch: int, capacity: int) -> bool:
+        if self.error:
+            return False
+        if self.simulated:
+            self._record(batch)
+            trace = self.traces[batch]
+            if self.records[batch]["status"] != "ok":
+                return False
+            return allocator.replay_on_gpu(trace, capacity).fits
+        key = (batch, capacity)
+        if key not in self.capped:
+            record = runner.run(replace(self.job, batch_size=batch, capacity_gb=capacity / 2**30))
+            self.capped[key] = record
+            self._note(record, batch, capacity / 2**30)
+        return self.capped[key]["status"] == "ok"

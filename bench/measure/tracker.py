@@ -1,0 +1,254 @@
+"""Exact live-tensor memory accounting by category.
+
+`MemoryTracker` sees every tensor PyTorch creates while it is active (a
+`TorchDispatchMode`), counts each storage once (views share a storage), and notices
+when a storage is freed (a weak-reference finalizer). It keeps the live bytes per
+category and the split at the moment of the peak, so the categories of a peak always
+add up to that peak.
+
+Categories, and what puts a storage in one:
+
+- ``param``: parameters of the model, registered before the step.
+- ``grad``: a storage that became a parameter's ``.grad`` (post-accumulate-grad hook).
+- ``optimizer``: persistent optimizer state (what `Method.state_tensors` returns,
+  labelled after each optimizer step). Temporaries of the update itself are ``other``.
+- ``activation``: a storage autograd saved for backward (saved-tensor pack hook), or
+  one made by a forward pass re-run during backward (checkpointing's recomputation:
+  ops that run inside backward with grad mode on).
+- ``other``: everything else: inputs, buffers, temporaries, the incoming gradient
+  before it is accumulated.
+
+A storage's category is the latest label it received; params and inputs registered by
+hand keep theirs. The tracker works on real tensors (the *tracked* tier, CPU) and on
+fake tensors (`FakeTensorMode`, the *simulated* tier): it only reads sizes.
+What it cannot see: the allocator (caching, fragmentation, CUDA context, library
+workspaces). On CUDA the *measured* tier adds the allocator's own peak beside it; on
+fake tensors, `events=` records the allocation order for `bench.measure.allocator` to replay.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("param", "grad", "optimizer", "activation", "other")
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to 512 bytes
+
+
+class CapacityExceeded(RuntimeError):
+    """Live tensor bytes went over the configured memory capacity (a simulated OOM)."""
+
+
+@dataclass
+class MemorySplit:
+    """Bytes per category at one moment; `peak_bytes` is their sum."""
+
+    param: int = 0
+    grad: int = 0
+    optimizer: int = 0
+    activation: int = 0
+    other: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.param + self.grad + self.optimizer + self.activation + self.other
+
+    def as_row(self) -> dict:
+        row = {f"{c}_bytes": getattr(self, c) for c in CATEGORIES}
+        row["peak_bytes"] = self.peak_bytes
+        return row
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Track live tensor bytes by category; see the module docstring.
+
+    Use as a context manager around the training steps, after registering what existed
+    before (`register_model`, `register`). `capacity_bytes` turns the tracker into a
+    memory cap: going over it raises `CapacityExceeded`.
+    """
+
+    def __init__(self, capacity_bytes: int | None = None, round_to: int = 1,
+                 events: list | None = None):
+        super().__init__()
+        self.capacity_bytes = capacity_bytes
+        self.round_to = round_to
+        self.events = events  # if a list: ("alloc", key, nbytes) and ("free", key), in order
+        self._live: dict[int, list] = {}  # storage key -> [bytes, category, pinned]
+        self._totals = dict.fromkeys(CATEGORIES, 0)
+        self.current = 0
+        self.peak = 0
+        self.peak_split = MemorySplit()
+        self._hooks: list = []
+        self._saved_hooks = None
+
+    # -- storages ---------------------------------------------------------------
+    def _size(self, storage) -> int:
+        n = storage.nbytes()
+        return -(-n // self.round_to) * self.round_to
+
+    def _add(self, tensor: torch.Tensor, category: str, pinned: bool, relabel: bool) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        entry = self._live.get(key)
+        if entry is not None:
+            if relabel and (pinned or not entry[2]):
+                self._relabel(entry, category)
+                entry[2] = entry[2] or pinned
+            return
+        size = self._size(storage)
+        self._live[key] = [size, category, pinned]
+        self._totals[category] += size
+        self.current += size
+        if self.events is not None:
+            self.events.append(("alloc", key, storage.nbytes()))
+        weakref.finalize(storage, self._free, key)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_split = MemorySplit(**self._totals)
+        if self.capacity_bytes is not None and self.current > self.capacity_bytes:
+            raise CapacityExceeded(
+                f"live tensors need {self.current:,} bytes, over the capacity of "
+                f"{self.capacity_bytes:,} bytes")
+
+    def _relabel(self, entry: list, category: str) -> None:
+        self._totals[entry[1]] -= entry[0]
+        self._totals[category] += entry[0]
+        entry[1] = category
+
+    def _free(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._totals[entry[1]] -= entry[0]
+            self.current -= entry[0]
+            if self.events is not None:
+                self.events.append(("free", key))
+
+    def register(self, tensors, category: str) -> None:
+        """Count tensors created before tracking (inputs, buffers) under a fixed category."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._add(t, category, pinned=True, relabel=True)
+
+    def label(self, tensors, category: str) -> None:
+        """Give tensors (already live or not) a category, unless they are pinned."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._add(t, category, pinned=False, relabel=True)
+
+    def register_model(self, model: torch.nn.Module) -> None:
+        """Count parameters as `param` and buffers as `other`; label grads as they appear."""
+        params = list(model.parameters())
+        self.register(params, "param")
+        self.register(model.buffers(), "other")
+        for p in params:
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self.label([param.grad], "grad")
+
+    def _on_save(self, tensor: torch.Tensor):
+        entry = self._live.get(tensor.untyped_storage()._cdata)
+        if entry is not None and entry[1] == "other" and not entry[2]:
+            self._relabel(entry, "activation")
+        return tensor
+
+    # -- peak -------------------------------------------------------------------
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now (e.g. after a warm-up step)."""
+        self.peak = self.current
+        self.peak_split = MemorySplit(**self._totals)
+
+    def live_split(self) -> MemorySplit:
+        return MemorySplit(**self._totals)
+
+    # -- dispatch ----------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        category = "activation" if _recomputing() else "other"
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t, category, pinned=False, relabel=False)
+        return out
+
+    def __enter__(self):
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._on_save, _identity)
+        self._saved_hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._saved_hooks.__exit__(*exc)
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+
+
+@contextlib.contextmanager
+def cuda_kernels():
+    """Make a CPU step keep for backward what CUDA's kernels keep, so CPU memory numbers
+    (tracked and simulated) stand for a GPU's. Two CPU kernels keep more than CUDA's:
+
+    - dropout: the CPU path saves a mask in the activation's dtype (2-4 bytes per
+      element); CUDA's fused kernel (`native_dropout`) saves a 1-byte mask. Routed to
+      `native_dropout`, which the CPU also has.
+    - attention dropout in `scaled_dot_product_attention`: the CPU falls back to the math
+      kernel and keeps three seq x seq tensors per head; CUDA's fused kernels apply the
+      dropout inside and keep none. Run without it here (the memory of CUDA's flash
+      kernel, whose dropout keeps only a random-number state).
+
+    `torch.nn.functional` is patched for the duration (a function mode would miss the
+    forward passes checkpointing re-runs inside backward). The loss of a memory job run
+    this way has no attention dropout: its memory is the result, not its loss."""
+    functional = torch.nn.functional
+    dropout, sdpa = functional.dropout, functional.scaled_dot_product_attention
+
+    def fused_dropout(input, p=0.5, training=True, inplace=False):
+        if training and 0 < p < 1 and not inplace:
+            return torch.native_dropout(input, p, True)[0]
+        return dropout(input, p, training, inplace)
+
+    def flash_like_attention(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return sdpa(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    functional.dropout, functional.scaled_dot_product_attention = fused_dropout, flash_like_attention
+    try:
+        yield
+    finally:
+        functional.dropout, functional.scaled_dot_product_attention = dropout, sdpa
+
+
+def _identity(tensor):
+    return tensor
+
+
+def _recomputing() -> bool:
+    """True inside backward with grad mode on: a forward pass being recomputed."""
+    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
+
+
+@contextlib.contextmanager
+def cuda_peak():
+    """Measure the CUDA caching allocator around a block: yields a dict filled on exit."""
+    stats: dict = {}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield stats
+    finally:
+        torch.cuda.synchronize()
+        s = torch.cuda.memory_stats()
+        stats.update(
+            allocated_peak_bytes=int(s.get("allocated_bytes.all.peak", 0)),
+            reserved_peak_bytes=int(s.get("reserved_bytes.all.peak", 0)),
+            alloc_retries=int(s.get("num_alloc_retries", 0)),
+            cuda_ooms=int(s.get("num_ooms", 0)),
+        )

@@ -1,0 +1,110 @@
+"""Result files -> tidy tables: `summary.csv` (one row per job; a capacity or
+model_capacity job gives one row per memory size) and `curves.csv` (one row per convergence step). The README
+documents every column."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from bench.measure import records as results
+from bench.models import family
+
+SUMMARY_COLUMNS = [
+    "kind", "method", "model", "family", "n_params", "batch_size", "micro_batches", "seq_len",
+    "dtype", "device", "device_name", "memory_tier", "capacity_gb", "peak_bytes", "param_bytes",
+    "grad_bytes", "optimizer_bytes", "activation_bytes", "other_bytes", "first_step_peak_bytes",
+    "reserved_peak_bytes", "alloc_retries", "tokens_per_s", "step_time_median_s",
+    "step_time_q1_s", "step_time_q3_s", "largest_batch", "at_max_batch", "largest_model",
+    "at_ladder_top", "task", "steps",
+    "final_loss", "loss_floor", "status",
+    "message", "seed", "commit", "torch_version", "date", "wall_time_s", "hparams", "result_file",
+]
+CURVE_COLUMNS = ["method", "model", "task", "seed", "batch_size", "seq_len", "step", "wall_s",
+                 "loss", "loss_floor", "status"]
+
+
+def summary_row(record: dict, path: str) -> dict:
+    job, prov = record["job"], record.get("provenance", {})
+    mem, thr = record.get("memory", {}), record.get("throughput", {})
+    hp = record.get("hparams", {})
+    return {
+        "kind": job["kind"], "method": job["method"], "model": job["model"],
+        "family": family(job["model"]), "n_params": record.get("n_params"),
+        "batch_size": job["batch_size"], "micro_batches": hp.get("micro_batches"),
+        "seq_len": job["seq_len"], "dtype": job["dtype"], "device": job["device"],
+        "device_name": prov.get("device_name"), "memory_tier": mem.get("tier"),
+        "capacity_gb": job.get("capacity_gb"),
+        **{k: mem.get(k) for k in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
+                                   "activation_bytes", "other_bytes", "reserved_peak_bytes",
+                                   "alloc_retries")},
+        "first_step_peak_bytes": record.get("first_step_peak_bytes"),
+        **{k: thr.get(k) for k in ("tokens_per_s", "step_time_median_s", "step_time_q1_s",
+                                   "step_time_q3_s")},
+        "task": job["task"], "steps": job["steps"] if job["kind"] in ("throughput", "convergence") else None,
+        "final_loss": record.get("final_loss"), "loss_floor": record.get("loss_floor"),
+        "status": record["status"], "message": record.get("message"), "seed": job["seed"],
+        "commit": prov.get("commit"), "torch_version": prov.get("torch_version"),
+        "date": prov.get("date"), "wall_time_s": record.get("wall_time_s"),
+        "hparams": json.dumps(hp, sort_keys=True), "result_file": path,
+    }
+
+
+def summary_rows(record: dict, path: str) -> list[dict]:
+    """A job's rows: one, or for a capacity job one per memory size, where `capacity_gb`
+    is the size, `largest_batch` the answer and `peak_bytes` what that batch needs; for a
+    model_capacity job `largest_model` is the answer (`model` where its ladder starts)
+    and `n_params` its parameters (0: not even the first size fits)."""
+    row = summary_row(record, path)
+    found = record.get("capacity")
+    if record["job"]["kind"] not in ("capacity", "model_capacity") or not found:
+        return [row]
+    row["memory_tier"] = found["tier"]
+    answer = ("largest_batch", "at_max_batch") if record["job"]["kind"] == "capacity" else (
+        "largest_model", "n_params", "at_ladder_top")
+    return [{**row, "capacity_gb": size["memory_gb"], **{k: size[k] for k in answer},
+             "peak_bytes": size["needed_bytes_at_largest"]} for size in found["sizes"]] or [row]
+
+
+def curve_rows(record: dict) -> list[dict]:
+    job = record["job"]
+    return [{"method": job["method"], "model": job["model"], "task": job["task"],
+             "seed": job["seed"], "batch_size": job["batch_size"], "seq_len": job["seq_len"],
+             **point, "loss_floor": record.get("loss_floor"), "status": record["status"]}
+            for point in record.get("curve", [])]
+
+
+def aggregate(paths: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    summary, curves = [], []
+    for path in sorted(paths):
+        record = results.read(path)
+        summary.extend(summary_rows(record, str(path)))
+        curves.extend(curve_rows(record))
+    return (pd.DataFrame(summary, columns=SUMMARY_COLUMNS),
+            pd.DataFrame(curves, columns=CURVE_COLUMNS))
+
+
+def write_csv_atomic(frame: pd.DataFrame, path: str | Path) -> None:
+    results.write_text_atomic(path, frame.to_csv(index=False))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.report.aggregate",
+                                description="Collect result JSON files into summary.csv and curves.csv.")
+    p.add_argument("results", nargs="*", help="result JSON files")
+    p.add_argument("--summary", required=True)
+    p.add_argument("--curves", required=True)
+    args = p.parse_args(argv)
+    summary, curves = aggregate(args.results)
+    write_csv_atomic(summary, args.summary)
+    write_csv_atomic(curves, args.curves)
+    print(f"aggregate: {len(summary)} jobs ({(summary.status != 'ok').sum()} not ok), "
+          f"{len(curves)} curve points", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,766 @@
+"""Figures from summary.csv and curves.csv.
+
+    python -m bench.report.figures --summary results/summary.csv --curves results/curves.csv \\
+        --out results/figures
+
+Every name in `FIGURES` is written as <name>.png and <name>.pdf, always: a kind with no
+rows gives a figure that says so. The numbers come from `bench.report.tables`, shared with
+`bench.report.markdown`, so the report and the figures show the same numbers.
+
+Conventions: the baseline is AdamW (`BASELINE`); methods are ordered baseline first, then
+alphabetically; a job whose status is not ``ok`` is never dropped silently: it is drawn as
+text (its status) where its bar or line would be.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch, Rectangle  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from bench.measure.records import atomic_path  # noqa: E402
+from bench.report.tables import (BASELINE, CATEGORIES,  # noqa: E402
+                          CONVERGENCE_CELL, MEMORY_CELL, THROUGHPUT_CELL, capacity_table,
+                          convergence_table, largest_model_table, memory_table, method_order,
+                          model_order, overview_table, parameters_text, read_curves, read_summary,
+                          status_text, throughput_table)
+
+FIGURES = ["overview", "memory_breakdown", "throughput_relative", "convergence",
+           "capacity_batch", "capacity_model"]
+
+DPI = 150
+SMOOTH_POINTS = 50          # curves longer than this get a rolling mean over len // this steps
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p"]
+LINESTYLES = ["-", "--", ":", "-."]
+FAIL_COLOR = "#b2182b"
+
+
+# ----------------------------------------------------------------------------- colours
+
+
+def method_colors(methods) -> dict[str, tuple]:
+    """A stable colour per method; the baseline is dark grey."""
+    others = [m for m in method_order(methods) if m != BASELINE]
+    # ten distinct colour-blind-safe colours; beyond that, twenty (markers also differ)
+    palette = sns.color_palette("colorblind" if len(others) <= 10 else "tab20", max(len(others), 1))
+    colors = {m: palette[i % len(palette)] for i, m in enumerate(others)}
+    colors[BASELINE] = (0.25, 0.25, 0.25)
+    return colors
+
+
+def category_colors() -> dict[str, tuple]:
+    palette = sns.color_palette("colorblind", len(CATEGORIES))
+    colors = dict(zip(CATEGORIES, palette))
+    colors["other"] = (0.72, 0.72, 0.72)
+    return colors
+
+
+# ----------------------------------------------------------------------------- drawing
+
+
+def save(fig: plt.Figure, out: str | Path, name: str) -> list[Path]:
+    """Write <out>/<name>.png (DPI) and .pdf, each atomically; close the figure."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for ext in ("png", "pdf"):
+        target = out / f"{name}.{ext}"
+        with atomic_path(target) as tmp:
+            fig.savefig(tmp, format=ext, dpi=DPI, bbox_inches="tight")
+        written.append(target)
+    plt.close(fig)
+    return written
+
+
+def no_data_figure(title: str, what: str) -> plt.Figure:
+    fig, ax = plt.subplots(figsize=(6.4, 2.4))
+    ax.set_axis_off()
+    ax.set_title(title, fontsize=12)
+    ax.text(0.5, 0.5, f"No data: {what}", ha="center", va="center", fontsize=12,
+            transform=ax.transAxes, wrap=True)
+    return fig
+
+
+def _finish(fig: plt.Figure, heading: str, caption: str = "", handles=(), **legend_kw) -> None:
+    """Lay out the panels under `heading`, then put the legend (if any) and the caption below
+    everything drawn, measured in pixels so that nothing overlaps; `save` crops tightly."""
+    fig.tight_layout()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]
+    top = max([b.y1 for b in boxes if b is not None] + [fig.bbox.height])
+    fig.suptitle(heading, fontsize=12, y=(top + 0.05 * fig.dpi) / fig.bbox.height, va="bottom")
+    y = min([b.y0 for b in boxes if b is not None] + [0.0]) - 0.08 * fig.dpi
+    height = fig.bbox.height
+    if handles:
+        legend = fig.legend(handles=list(handles), loc="upper center", frameon=False,
+                            bbox_to_anchor=(0.5, y / height), fontsize=9, title_fontsize=9,
+                            **legend_kw)
+        fig.canvas.draw()
+        y = legend.get_window_extent(renderer).y0 - 0.05 * fig.dpi
+    if caption:
+        width_chars = int(fig.get_figwidth() * 72 / (8.5 * 0.55))
+        fig.text(0.5, y / height, textwrap.fill(caption, width_chars), ha="center", va="top",
+                 fontsize=8.5, color="0.3")
+
+
+def _grid(n: int, ncols: int, panel_w: float, panel_h: float, **kw):
+    ncols = max(1, min(ncols, n))
+    nrows = int(np.ceil(n / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(panel_w * ncols, panel_h * nrows),
+                             squeeze=False, **kw)
+    axes = axes.ravel()
+    for ax in axes[n:]:
+        ax.set_axis_off()
+    return fig, axes[:n]
+
+
+def _fmt_num(v, digits=0) -> str:
+    return "?" if v is None or pd.isna(v) else f"{int(v)}" if digits == 0 else f"{v:.{digits}f}"
+
+
+def _cell_title(key: dict, show_device: bool) -> str:
+    parts = [str(key["model"]), f"batch {_fmt_num(key['batch_size'])}",
+             f"seq {_fmt_num(key['seq_len'])}"]
+    if show_device:
+        parts.append(str(key["device"]))
+    return " · ".join(parts)
+
+
+def _devices_text(summary_part: pd.DataFrame) -> str:
+    pairs = sorted({(str(d), str(n)) for d, n in zip(summary_part["device"],
+                                                     summary_part["device_name"].fillna(""))})
+    return "; ".join(f"{d} ({n})" if n else d for d, n in pairs) or "unknown device"
+
+
+def _tiers_text(summary_part: pd.DataFrame) -> str:
+    return ", ".join(sorted(set(summary_part["memory_tier"].dropna()))) or "unknown"
+
+
+def _method_label(method: str, micro_batches) -> str:
+    if pd.notna(micro_batches) and micro_batches > 1:
+        return f"{method}\n({int(micro_batches)} micro-batches)"
+    return method
+
+
+def figure_memory_breakdown(summary: pd.DataFrame) -> plt.Figure:
+    """Stacked horizontal bars of peak memory by category, one panel per cell."""
+    title = "Peak training memory by category"
+    table = memory_table(summary)
+    if table.empty:
+        return no_data_figure(title, "no memory jobs in the summary")
+    mem = summary[summary["kind"] == "memory"]
+    methods = method_order(table["method"])
+    models = model_order(summary, table["model"])
+    table = table.assign(_m=table["model"].map(models.index)).sort_values(
+        ["_m", "batch_size", "seq_len", "device"])
+    cells = table[MEMORY_CELL].drop_duplicates().to_dict("records")
+    show_device = table["device"].nunique() > 1
+    per_model = table.groupby("model")[["batch_size", "seq_len", "device"]].apply(
+        lambda g: len(g.drop_duplicates())).max()
+    colors = category_colors()
+    fig, axes = _grid(len(cells), min(len(cells), int(per_model) if per_model > 1 else 3), 6.2,
+                      0.55 * len(methods) + 1.5)
+    for ax, cell in zip(axes, cells):
+        part = table[_key_match(table, cell, MEMORY_CELL)].set_index("method")
+        ys = np.arange(len(methods))
+        x_max = np.nanmax(part["peak_mib"].to_numpy(dtype=float), initial=0.0) or 1.0
+        for y, method in zip(ys, methods):
+            if method not in part.index:
+                ax.text(x_max * 0.02, y, "no job", va="center", color="0.5", style="italic")
+                continue
+            row = part.loc[method]
+            if row["n_ok"] == 0:
+                ax.text(x_max * 0.02, y, f"{row['status']} (no bar)", va="center",
+                        color=FAIL_COLOR, fontweight="bold")
+                continue
+            left = 0.0
+            for c in CATEGORIES:
+                width = 0.0 if pd.isna(row[f"{c}_mib"]) else row[f"{c}_mib"]
+                ax.barh(y, width, left=left, color=colors[c], edgecolor="white", linewidth=0.5,
+                        height=0.7)
+                left += width
+            label = f"{row['peak_mib']:.1f}"
+            if method != BASELINE and pd.notna(row["pct_vs_baseline"]):
+                label += f" ({row['pct_vs_baseline']:+.0f}%)"
+            if row["status"] != "ok":
+                label += f"  [{row['status']}]"
+            ax.text(row["peak_mib"] + x_max * 0.02, y, label, va="center", fontsize=8.5)
+        ax.set_yticks(ys, [_method_label(m, part["micro_batches"].get(m)) for m in methods],
+                      fontsize=9)
+        ax.set_ylim(len(methods) - 0.5, -0.5)
+        ax.set_xlim(0, x_max * 1.45)
+        ax.set_xlabel("peak memory (MiB)")
+        ax.set_title(_cell_title(cell, show_device), fontsize=10)
+        ax.grid(axis="y", visible=False)
+    handles = [Patch(color=colors[c], label=c) for c in CATEGORIES]
+    _finish(fig, f"{title} (memory tier: {_tiers_text(mem)}; device: {_devices_text(mem)})",
+            f"Number at each bar: peak MiB (change vs {BASELINE} in the same panel). "
+            "A job that did not finish shows its status in red instead of a bar.",
+            handles, ncol=len(CATEGORIES), title="memory category (stacked left to right)")
+    return fig
+
+
+def _key_match(frame: pd.DataFrame, cell: dict, keys: list[str]) -> pd.Series:
+    """Rows of `frame` equal to `cell` on `keys`, where missing equals missing."""
+    mask = pd.Series(True, index=frame.index)
+    for k in keys:
+        v = cell[k]
+        mask &= frame[k].isna() if pd.isna(v) else (frame[k] == v)
+    return mask
+
+
+def figure_throughput_relative(summary: pd.DataFrame) -> plt.Figure:
+    """Tokens/s relative to the baseline, one panel per model (and per cell without one)."""
+    title = f"Training throughput relative to {BASELINE}"
+    table = throughput_table(summary)
+    if table.empty:
+        return no_data_figure(title, "no throughput jobs in the summary")
+    thr = summary[summary["kind"] == "throughput"]
+    methods = method_order(table["method"])
+    models = model_order(summary, table["model"])
+    colors = method_colors(method_order(summary["method"]))
+    panels = []  # (model, relative?) -> cells
+    for model in models:
+        part = table[table["model"] == model]
+        for relative in (True, False):
+            cells = part[part["has_baseline"] == relative][
+                ["batch_size", "seq_len", "device"]].drop_duplicates()
+            if len(cells):
+                panels.append((model, relative, cells.to_dict("records")))
+    show_device = table["device"].nunique() > 1
+    fig, axes = _grid(len(panels), 3, 5.6, 0.55 * len(methods) * max(
+        len(c) for _, _, c in panels) ** 0.5 + 1.6)
+    hatches = ["", "//", "..", "xx", "\\\\", "++"]
+    for ax, (model, relative, cells) in zip(axes, panels):
+        value, lo, hi = (("ratio", "ratio_lo", "ratio_hi") if relative
+                         else ("tokens_per_s", "tps_lo", "tps_hi"))
+        part = table[table["model"] == model]
+        height = 0.8 / len(cells)
+        ys = np.arange(len(methods))
+        x_top = np.nanmax(np.r_[part[part["has_baseline"] == relative][hi].to_numpy(float),
+                                part[part["has_baseline"] == relative][value].to_numpy(float),
+                                1.0 if relative else 0.0])
+        x_top = x_top if np.isfinite(x_top) and x_top > 0 else 1.0
+        for j, cell in enumerate(cells):
+            rows = part[_key_match(part, {"model": model, **cell}, THROUGHPUT_CELL)]
+            rows = rows.set_index("method")
+            offset = (j - (len(cells) - 1) / 2) * height
+            for y, method in zip(ys, methods):
+                yy = y + offset
+                if method not in rows.index:
+                    ax.text(x_top * 0.02, yy, "no job", va="center", color="0.5",
+                            style="italic", fontsize=9)
+                    continue
+                row = rows.loc[method]
+                if row["n_ok"] == 0 or pd.isna(row[value]):
+                    ax.text(x_top * 0.02, yy, f"{row['status']} (no bar)", va="center",
+                            color=FAIL_COLOR, fontweight="bold", fontsize=9)
+                    continue
+                err = None
+                if pd.notna(row[lo]) and pd.notna(row[hi]):
+                    err = [[row[value] - row[lo]], [row[hi] - row[value]]]
+                ax.barh(yy, row[value], height=height * 0.9, color=colors[method],
+                        hatch=hatches[j % len(hatches)], edgecolor="white",
+                        xerr=err, error_kw=dict(ecolor="black", capsize=3, lw=1))
+                text = f"{row[value]:.2f}x" if relative else f"{row[value]:,.0f}"
+                if len(cells) > 1:
+                    text += f"  ({_fmt_num(cell['batch_size'])}x{_fmt_num(cell['seq_len'])})"
+                ax.text(max(row[hi] if pd.notna(row[hi]) else 0, row[value]) + x_top * 0.02,
+                        yy, text, va="center", fontsize=8.5)
+        if relative:
+            ax.axvline(1.0, color="black", ls="--", lw=1)
+            ax.set_xlabel(f"tokens/s relative to {BASELINE} (ratio)")
+        else:
+            ax.set_xlabel("throughput (tokens/s, absolute)")
+        ax.set_xlim(0, x_top * 1.35)
+        labels = [_method_label(m, part.set_index("method")["micro_batches"].groupby(level=0)
+                                .max().get(m)) for m in methods]
+        ax.set_yticks(ys, labels, fontsize=9)
+        ax.set_ylim(len(methods) - 0.5, -0.5)
+        shape = (f"batch {_fmt_num(cells[0]['batch_size'])} · seq {_fmt_num(cells[0]['seq_len'])}"
+                 if len(cells) == 1 else "labels: batch x seq")
+        if show_device and len(cells) == 1:
+            shape += f" · {cells[0]['device']}"
+        ax.set_title(f"{model} ({shape})" + ("" if relative else
+                     f"\nno ok {BASELINE} job: absolute tokens/s"), fontsize=10)
+        ax.grid(axis="y", visible=False)
+    _finish(fig, f"{title} (device: {_devices_text(thr)})",
+            f"Bars: tokens/s of the method / tokens/s of {BASELINE} with the same model, batch "
+            f"and sequence length (dashed line: 1.0 = as fast as {BASELINE}). Error bars: "
+            "interquartile range (q1-q3) of the method's step time, as a ratio. "
+            "A job that did not finish shows its status in red instead of a bar.")
+    return fig
+
+
+def _smooth_window(n_steps: int) -> int:
+    return max(1, n_steps // SMOOTH_POINTS)
+
+
+def _failure_lines(conv: pd.DataFrame, has_partial: bool = False) -> list[str]:
+    """'method: status xN' per method with a failed job, then the distinct messages."""
+    bad = conv[conv["status"] != "ok"]
+    if bad.empty:
+        return []
+    lines = ["failed jobs (not in the means; " + ("dotted: steps logged before failing):"
+                                                  if has_partial else "no curve):")]
+    for method in method_order(bad["method"]):
+        g = bad[bad["method"] == method]
+        lines.append(f"  {method}: {status_text(g['status'])}")
+    for msg in list(dict.fromkeys(m for m in bad["message"] if isinstance(m, str)))[:2]:
+        lines += textwrap.wrap(msg, 60, initial_indent="  ", subsequent_indent="    ")
+    return lines
+
+
+def _identical_groups(means: dict[str, pd.Series]) -> list[list[str]]:
+    """Methods whose mean curves coincide (so their lines overlap)."""
+    groups: list[list[str]] = []
+    for method, curve in means.items():
+        for g in groups:
+            other = means[g[0]]
+            if curve.index.equals(other.index) and np.allclose(curve, other, rtol=0, atol=1e-9):
+                g.append(method)
+                break
+        else:
+            groups.append([method])
+    return [g for g in groups if len(g) > 1]
+
+
+def figure_convergence(summary: pd.DataFrame, curves: pd.DataFrame) -> plt.Figure:
+    """Training loss vs optimizer step per (task, model): mean over seeds, min-max band."""
+    title = "Convergence: training loss per optimizer step"
+    conv = summary[summary["kind"] == "convergence"]
+    keys = set(map(tuple, conv[CONVERGENCE_CELL].to_numpy().tolist())) | \
+        set(map(tuple, curves[CONVERGENCE_CELL].to_numpy().tolist()))
+    if not keys:
+        return no_data_figure(title, "no convergence jobs in the summary or curves")
+    models = model_order(summary, [k[1] for k in keys])
+    panels = sorted(keys, key=lambda k: (str(k[0]), models.index(k[1])))
+    colors = method_colors(method_order(set(summary["method"]) | set(curves["method"])))
+    all_methods = method_order(set(conv["method"]) | set(curves["method"]))
+    styles = {m: LINESTYLES[i % len(LINESTYLES)] for i, m in enumerate(all_methods)}
+    fig, axes = _grid(len(panels), 2, 6.4, 4.6)
+    windows, drawn = set(), set()
+    floor_drawn = False
+    for ax, (task, model) in zip(axes, panels):
+        cell = {"task": task, "model": model}
+        part = curves[_key_match(curves, cell, CONVERGENCE_CELL)]
+        jobs = conv[_key_match(conv, cell, CONVERGENCE_CELL)]
+        means, tails = {}, []
+        partial = part[part["status"] != "ok"]
+        for (method, seed), g in partial.groupby(["method", "seed"], dropna=False):
+            ax.plot(g["step"], g["loss"], color=colors[method], ls=":", lw=1.2, marker=".",
+                    markersize=3)
+            drawn.add(method)
+        for method in method_order(part["method"]):
+            runs = part[(part["method"] == method) & (part["status"] == "ok")]
+            if runs.empty:
+                continue
+            wide = runs.pivot_table(index="step", columns="seed", values="loss", aggfunc="mean")
+            window = _smooth_window(len(wide))
+            windows.add(window)
+            wide = wide.rolling(window, min_periods=1).mean()
+            mean = wide.mean(axis=1)
+            means[method] = mean
+            ax.plot(mean.index, mean, color=colors[method], ls=styles[method], lw=1.6)
+            if wide.shape[1] > 1:
+                ax.fill_between(wide.index, wide.min(axis=1), wide.max(axis=1),
+                                color=colors[method], alpha=0.18, lw=0)
+            drawn.add(method)
+            tails.append(mean.iloc[len(mean) // 2:])
+        floors = pd.concat([part["loss_floor"], jobs["loss_floor"]]).dropna()
+        lines = bool(means) or not partial.empty
+        if len(floors) and lines:
+            floor = floors.mean()
+            ax.axhline(floor, color="black", ls="--", lw=1)
+            ax.annotate(f"loss floor (entropy rate) = {floor:.3f}", (1.0, floor),
+                        xycoords=("axes fraction", "data"), xytext=(-4, -3),
+                        textcoords="offset points", ha="right", va="top", fontsize=8.5)
+            bottom, top = ax.get_ylim()
+            ax.set_ylim(min(bottom, floor - 0.09 * (top - floor)), top)
+            floor_drawn = True
+        notes = _failure_lines(jobs, has_partial=not partial.empty)
+        same = _identical_groups(means)
+        notes += [f"identical curves (lines overlap): {' = '.join(g)}" for g in same]
+        if not lines and not notes:
+            notes = ["no curve points"]
+        if notes and not lines:   # nothing drawn: the failures are the panel
+            ax.text(0.5, 0.5, "\n".join(notes), transform=ax.transAxes, va="center",
+                    ha="center", fontsize=8.5, color=FAIL_COLOR,
+                    bbox=dict(boxstyle="round", fc="white", ec="0.8"))
+        elif notes:               # below the x-axis label, off the data
+            ax.annotate("\n".join(notes), (0.0, 0.0), xycoords="axes fraction",
+                        xytext=(0, -40), textcoords="offset points", va="top", ha="left",
+                        fontsize=8.5, color=FAIL_COLOR if len(notes) > len(same) else "0.25")
+        if means:
+            _zoom_inset(ax, means, tails, floors.mean() if len(floors) else np.nan, colors,
+                        styles)
+        if lines:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel("training loss (nats/token)")
+        else:
+            ax.set_xticks([])
+            ax.set_yticks([])
+        ax.set_title(f"{task} · {model}", fontsize=10)
+    handles = [Line2D([], [], color=colors[m], ls=styles[m], lw=1.8, label=m)
+               for m in all_methods if m in drawn]
+    if not curves[curves["status"] != "ok"].empty:
+        handles.append(Line2D([], [], color="0.4", ls=":", marker=".", lw=1.2,
+                              label="failed job (partial)"))
+    if floor_drawn:
+        handles.append(Line2D([], [], color="black", ls="--", lw=1,
+                              label="loss floor (entropy rate)"))
+    smooth = (f"curves smoothed with a rolling mean over {', '.join(map(str, sorted(windows)))}"
+              " steps; " if windows - {1} else "")
+    _finish(fig, title, f"Line: mean over seeds; band: min-max over seeds; {smooth}inset: "
+            "second half of training, zoomed. No dashed line: no known floor for that task.",
+            handles, ncol=min(len(handles), 5))
+    return fig
+
+
+def _zoom_inset(ax, means, tails, floor, colors, styles):
+    """Upper-right inset over the second half of training, where methods differ little."""
+    tail = pd.concat(tails)
+    lo, hi = tail.min(), tail.max()
+    if pd.notna(floor):
+        lo = min(lo, floor)
+    pad = (hi - lo) * 0.08 or abs(hi) * 0.01 or 0.01
+    inset = ax.inset_axes([0.47, 0.42, 0.5, 0.44])
+    for method, mean in means.items():
+        half = mean.iloc[len(mean) // 2:]
+        inset.plot(half.index, half, color=colors[method], ls=styles[method], lw=1.3)
+    if pd.notna(floor):
+        inset.axhline(floor, color="black", ls="--", lw=1)
+    inset.set_ylim(lo - pad, hi + pad)
+    inset.tick_params(labelsize=7)
+    inset.set_title("second half, zoomed (nats/token)", fontsize=7.5)
+
+
+def figure_overview(summary: pd.DataFrame) -> plt.Figure:
+    """Peak-memory ratio vs throughput ratio per (method, model); final-loss gap beside."""
+    title = f"Memory saved vs speed cost, relative to {BASELINE}"
+    table = overview_table(summary)
+    conv = convergence_table(summary)
+    conv_ok = conv[conv["method"] != BASELINE].dropna(subset=["gap_vs_baseline"]) \
+        if len(conv) else conv
+    if table.empty and conv.empty:
+        return no_data_figure(title, "no memory, throughput or convergence jobs in the summary")
+    methods = method_order(summary["method"])
+    colors = method_colors(methods)
+    models = model_order(summary, table["model"]) if len(table) else []
+    markers = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(models)}
+    # the loss-gap panel has one two-line label per (method, task, model): room for each,
+    # and the method legend beside the scatter has one line per method
+    height = max(5.6, 0.34 * len(conv_ok) + 1.6, 0.2 * len(methods) + 2.6)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, height),
+                                  gridspec_kw=dict(width_ratios=[1.5, 1]))
+    _overview_scatter(ax, table, colors, markers)
+    missing = table[table[["mem_ratio", "thr_ratio"]].isna().any(axis=1) | (table["note"] != "")]
+    notes = [f"{r.method} / {r.model}: {r.note or 'incomplete'}" for r in missing.itertuples()]
+    _overview_loss_gap(ax2, conv, conv_ok, colors)
+    more = f" (+{len(notes) - 6} more)" if len(notes) > 6 else ""
+    caption = ("Incomplete comparisons (hollow markers in a grey strip, or not drawn): "
+               + "; ".join(notes[:6]) + more) if notes else ""
+    _finish(fig, title, caption)
+    return fig
+
+
+def _overview_scatter(ax, table: pd.DataFrame, colors, markers) -> None:
+    """Memory ratio (x) vs throughput ratio (y). A (method, model) with only one of the two
+    is drawn hollow in a grey strip along the axis that lacks it, not dropped."""
+    strip = 0.06  # axes fraction of the 'not measured' strips
+    xs = np.r_[table["mem_ratio"].dropna().to_numpy(float), 1.0]
+    ys = np.r_[table["thr_ratio"].dropna().to_numpy(float), 1.0]
+    xpad, ypad = max(np.ptp(xs) * 0.12, 0.05), max(np.ptp(ys) * 0.12, 0.05)
+    x0, y0 = max(0.0, xs.min() - xpad), max(0.0, ys.min() - ypad)
+    no_thr, no_mem = table["thr_ratio"].isna(), table["mem_ratio"].isna()
+    # leave room for the strips so that they cover no measured point
+    if no_thr.any():
+        y0 -= (ys.max() + ypad - y0) * strip / (1 - strip)
+    if no_mem.any():
+        x0 -= (xs.max() + xpad - x0) * strip / (1 - strip)
+    ax.set_xlim(x0, xs.max() + xpad)
+    ax.set_ylim(y0, ys.max() + ypad)
+    ax.axvline(1.0, color="black", ls="--", lw=1)
+    ax.axhline(1.0, color="black", ls="--", lw=1)
+    ax.scatter([1.0], [1.0], s=90, color=colors[BASELINE], marker="*", zorder=3)
+    ax.annotate(BASELINE, (1.0, 1.0), xytext=(-5, 6), textcoords="offset points", fontsize=9,
+                ha="right")
+    for r in table.itertuples():
+        if pd.isna(r.mem_ratio) and pd.isna(r.thr_ratio):
+            continue
+        style = dict(s=80, marker=markers[r.model], zorder=3, linewidth=0.8)
+        if pd.notna(r.mem_ratio) and pd.notna(r.thr_ratio):
+            ax.scatter(r.mem_ratio, r.thr_ratio, color=colors[r.method], edgecolor="black",
+                       **style)
+        elif pd.notna(r.mem_ratio):
+            ax.scatter(r.mem_ratio, strip / 2, transform=ax.get_xaxis_transform(),
+                       facecolor="none", edgecolor=colors[r.method], **style)
+        else:
+            ax.scatter(strip / 2, r.thr_ratio, transform=ax.get_yaxis_transform(),
+                       facecolor="none", edgecolor=colors[r.method], **style)
+    if no_thr.any():
+        ax.add_patch(Rectangle((0, 0), 1, strip, transform=ax.transAxes, color="0.9",
+                               zorder=0.5, lw=0))
+        ax.text(0.99, strip / 2, "no throughput ratio", transform=ax.transAxes, ha="right",
+                va="center", fontsize=8, color="0.35", zorder=1)
+    if no_mem.any():
+        ax.add_patch(Rectangle((0, 0), strip, 1, transform=ax.transAxes, color="0.9",
+                               zorder=0.5, lw=0))
+        ax.text(strip / 2, 0.5, "no memory ratio", transform=ax.transAxes, rotation=90,
+                ha="center", va="center", fontsize=8, color="0.35", zorder=1)
+    ax.set_xlabel(f"peak memory / {BASELINE} (ratio; left = less memory)")
+    ax.set_ylabel(f"tokens/s / {BASELINE} (ratio; up = faster)")
+    ax.set_title("each marker: one method on one model (geometric mean over batch sizes)",
+                 fontsize=9.5)
+    ax.text(0.02 + (strip if no_mem.any() else 0), 0.98, "better: up and left",
+            transform=ax.transAxes, va="top", fontsize=9, color="0.35")
+    shown = table.dropna(subset=["mem_ratio", "thr_ratio"], how="all")
+    if shown.empty:
+        ax.text(0.5, 0.7, f"No data: no method with a memory or throughput ratio vs "
+                f"{BASELINE}", ha="center", va="center", transform=ax.transAxes,
+                color=FAIL_COLOR)
+        return
+    methods = [m for m in method_order(shown["method"])]
+    leg = ax.legend(handles=[Line2D([], [], ls="", marker="o", color=colors[m], label=m)
+                             for m in methods], title="method (colour)", fontsize=8.5,
+                    title_fontsize=8.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.add_artist(leg)
+    ax.legend(handles=[Line2D([], [], ls="", marker=markers[m], color="0.4", label=m)
+                       for m in markers if m in set(shown["model"])],
+              title="model (shape)", fontsize=8.5, title_fontsize=8.5, loc="lower left",
+              bbox_to_anchor=(1.01, 0.0))
+
+
+def _overview_loss_gap(ax, conv: pd.DataFrame, conv_ok: pd.DataFrame, colors) -> None:
+    ax.set_title(f"final training loss minus {BASELINE}'s (mean over seeds)", fontsize=9.5)
+    ax.set_xlabel(f"final loss - {BASELINE}'s (nats/token; left = lower loss)\n"
+                  "error bars: std of the method's final loss over seeds", fontsize=9.5)
+    if conv_ok.empty:
+        ax.text(0.5, 0.5, "No data: no converged method\nwith a converged "
+                f"{BASELINE} to compare", ha="center", va="center", transform=ax.transAxes,
+                color=FAIL_COLOR)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    else:
+        rows = conv_ok.assign(label=conv_ok["method"] + "\n" + conv_ok["task"] + " · " +
+                              conv_ok["model"])
+        rows = rows.assign(_o=rows["method"].map(method_order(rows["method"]).index))
+        rows = rows.sort_values(["_o", "task", "model"]).reset_index(drop=True)
+        ys = np.arange(len(rows))
+        ax.barh(ys, rows["gap_vs_baseline"], color=[colors[m] for m in rows["method"]],
+                height=0.6, xerr=rows["final_loss_std"].fillna(0), capsize=3,
+                error_kw=dict(lw=1))
+        ax.set_yticks(ys, rows["label"], fontsize=8.5)
+        ax.invert_yaxis()
+        ax.axvline(0.0, color="black", ls="--", lw=1)
+        span = np.nanmax(np.abs(np.r_[rows["gap_vs_baseline"] + rows["final_loss_std"]
+                                      .fillna(0), rows["gap_vs_baseline"] -
+                                      rows["final_loss_std"].fillna(0)]))
+        span = span if np.isfinite(span) and span > 0 else 1.0
+        ax.set_xlim(-span * 1.45, span * 1.45)
+        for y, gap, std in zip(ys, rows["gap_vs_baseline"], rows["final_loss_std"].fillna(0)):
+            ax.annotate(f"{gap:+.4f}", (gap + std if gap >= 0 else gap - std, y),
+                        xytext=(4 if gap >= 0 else -4, 0), textcoords="offset points",
+                        ha="left" if gap >= 0 else "right", va="center", fontsize=8.5)
+        ax.grid(axis="y", visible=False)
+    floors = []
+    base = conv[conv["method"] == BASELINE] if len(conv) else conv
+    for r in base.itertuples():
+        where = f"{r.task} · {r.model}"
+        if r.n_ok == 0:
+            floors.append(f"{where}: {BASELINE} {r.status}")
+        elif pd.notna(r.loss_floor):
+            floors.append(f"{where}: {BASELINE} {r.final_loss_mean:.3f}, floor "
+                          f"{r.loss_floor:.3f} (+{r.gap_to_floor:.3f})")
+        else:
+            floors.append(f"{where}: {BASELINE} {r.final_loss_mean:.3f}, no known floor")
+    failed = conv[(conv["n_ok"] == 0) & (conv["method"] != BASELINE)] if len(conv) else conv
+    if len(failed):
+        floors.append("no final loss: " + ", ".join(
+            f"{r.method} ({r.task}, {r.status})" for r in failed.itertuples()))
+    if floors:
+        ax.annotate("\n".join(textwrap.fill(f, 70) for f in floors), (0.0, 0.0),
+                    xycoords="axes fraction", xytext=(0, -52), textcoords="offset points",
+                    va="top", ha="left", fontsize=8, color="0.3")
+
+
+def _memory_axis(ax, sizes) -> None:
+    sizes = sorted({float(g) for g in sizes})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [f"{g:g}" for g in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("memory size (GiB)")
+
+
+def _capacity_lines(ax, part: pd.DataFrame, x: str, y: str, methods, colors, floor: float,
+                    open_marker: pd.Series | None = None) -> None:
+    """One line per method; a point where nothing fits sits on the floor as an x. Methods
+    are nudged apart along x (by a few percent, on a log axis) so equal answers stay visible."""
+    for i, method in enumerate(methods):
+        rows = part[part["method"] == method].sort_values(x)
+        if rows.empty:
+            continue
+        rows = rows.assign(**{x: rows[x] * 1.025 ** (i - (len(methods) - 1) / 2)})
+        values = rows[y].astype(float).where(rows[y] > 0, floor)
+        ax.plot(rows[x], values, color=colors[method], marker=MARKERS[i % len(MARKERS)],
+                linestyle=LINESTYLES[i % len(LINESTYLES)], linewidth=1.4, markersize=5,
+                label=method)
+        none = rows[rows[y] <= 0]
+        ax.scatter(none[x], [floor] * len(none), marker="x", color=FAIL_COLOR, zorder=5, s=30)
+        if open_marker is not None:
+            capped = rows[open_marker.reindex(rows.index).fillna(False).astype(bool)]
+            ax.scatter(capped[x], capped[y], marker="^", s=70, facecolors="none",
+                       edgecolors=colors[method], zorder=5)
+
+
+def figure_capacity_batch(summary: pd.DataFrame) -> plt.Figure:
+    """Largest batch that fits vs GPU memory, one panel per model, a line per method."""
+    title = "Largest batch that fits, per memory size"
+    table = capacity_table(summary)
+    if table.empty:
+        return no_data_figure(title, "no capacity jobs in the summary")
+    table, failed = _ok_and_failed(table)
+    if table.empty:
+        return no_data_figure(title, "no capacity job finished ok")
+    methods = method_order(table["method"])
+    models = model_order(summary, table["model"])
+    colors = method_colors(methods)
+    cells = (table.assign(_m=table["model"].map(models.index))
+             .sort_values(["_m", "seq_len"])[["model", "seq_len", "dtype", "memory_tier"]]
+             .drop_duplicates().to_dict("records"))
+    fig, axes = _grid(len(cells), 4, 4.2, 3.4)
+    for ax, cell in zip(axes, cells):
+        part = table[_key_match(table, cell, list(cell))]
+        _capacity_lines(ax, part, "capacity_gb", "largest_batch", methods, colors, 0.5,
+                        part["at_max_batch"])
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+            lambda v, _: "none" if v < 1 else f"{v:g}"))
+        _memory_axis(ax, part["capacity_gb"])
+        ax.set_ylabel("largest batch (sequences)")
+        ax.set_title(f"{cell['model']} · seq {_fmt_num(cell['seq_len'])} · {cell['dtype']}",
+                     fontsize=10)
+    _finish_capacity(fig, title, table,
+                     "Each point is a search's answer: that batch fits and the next one (one "
+                     "more micro-batch) does not, both run. x on the floor: not even one "
+                     "micro-batch fits. Open triangle: the search's largest batch fitted, so the "
+                     "answer is at least that. Simulated tier: what a CUDA GPU needs is "
+                     "predicted by replaying the step's allocations through a model of "
+                     "PyTorch's caching allocator, plus 0.5 GiB of CUDA context (an assumption, "
+                     "not yet calibrated on a GPU).", methods, colors, failed, "on")
+    return fig
+
+
+def _ok_and_failed(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The searches that finished ok, and (method, model, status) of those that did not."""
+    failed = table[table["status"] != "ok"][["method", "model", "status"]].drop_duplicates()
+    return table[table["status"] == "ok"], failed
+
+
+def _finish_capacity(fig, title: str, table: pd.DataFrame, note: str, methods, colors,
+                     failed: pd.DataFrame, where: str) -> None:
+    """A capacity figure's title (with the memory tiers of `table`, its drawn rows), a
+    legend line per method and the note, which lists the searches that failed (`failed`:
+    method, model, status)."""
+    handles = [Line2D([], [], color=colors[m], marker=MARKERS[i % len(MARKERS)],
+                      linestyle=LINESTYLES[i % len(LINESTYLES)], label=m)
+               for i, m in enumerate(methods)]
+    if not failed.empty:
+        note += " Not drawn (search failed): " + "; ".join(
+            f"{r.method} {where} {r.model} ({r.status})" for r in failed.itertuples()) + "."
+    _finish(fig, f"{title} (memory tier: {_tiers_text(table)})", note, handles,
+            ncol=min(len(methods), 5), title="method")
+
+
+def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
+    """Largest model of each family that trains at a batch vs GPU memory (AdamA's figure)."""
+    title = "Largest model that trains, per memory size"
+    table = largest_model_table(summary)
+    if table.empty:
+        return no_data_figure(title, "no model_capacity jobs in the summary")
+    table, failed = _ok_and_failed(table)
+    if table.empty:
+        return no_data_figure(title, "no model_capacity job finished ok")
+    methods = method_order(table["method"])
+    colors = method_colors(methods)
+    cells = (table[["family", "seq_len", "dtype", "memory_tier", "batch_size"]]
+             .drop_duplicates().sort_values(["family", "batch_size"]).to_dict("records"))
+    fig, axes = _grid(len(cells), 3, 5.0, 4.0)
+    for ax, cell in zip(axes, cells):
+        part = table[_key_match(table, cell, list(cell))]
+        fitted = part.loc[part["n_params"] > 0, "n_params"]
+        floor = 0.5 * fitted.min() if len(fitted) else 1e6
+        _capacity_lines(ax, part, "capacity_gb", "n_params", methods, colors, floor,
+                        part["at_ladder_top"])
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: parameters_text(v)))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        _memory_axis(ax, part["capacity_gb"])
+        ax.set_ylabel("largest model that trains (parameters)")
+        ax.set_title(f"{cell['family']} from {part['model'].iloc[0]} · batch "
+                     f"{_fmt_num(cell['batch_size'])} · seq {_fmt_num(cell['seq_len'])} · "
+                     f"{cell['dtype']}", fontsize=10)
+    _finish_capacity(fig, title, table,
+                     "Each point is a search's answer along the family's ladder of sizes (its "
+                     "published sizes, and sizes between them with width and depth grown "
+                     "together, about 1.25x the layer weights per step): that size trains at the "
+                     "batch and the next does not, both run (or its weights alone exceed the "
+                     "memory). x on the floor: not even the first size fits. Open triangle: the "
+                     "ladder's largest size fits, so at least it.", methods, colors, failed, "from")
+    return fig
+
+
+def builders(summary: pd.DataFrame, curves: pd.DataFrame) -> dict:
+    """Figure name -> a function drawing it, in the order of `FIGURES`."""
+    table = {
+        "overview": lambda: figure_overview(summary),
+        "memory_breakdown": lambda: figure_memory_breakdown(summary),
+        "throughput_relative": lambda: figure_throughput_relative(summary),
+        "convergence": lambda: figure_convergence(summary, curves),
+        "capacity_batch": lambda: figure_capacity_batch(summary),
+        "capacity_model": lambda: figure_capacity_model(summary),
+    }
+    assert list(table) == FIGURES
+    return table
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.report.figures",
+        description="Draw the membench figures from the aggregated tables. Every figure ("
+                    + ", ".join(FIGURES) + ") is written as <name>.png and <name>.pdf, even "
+                    "when its kind has no rows (the figure then says so).",
+        epilog="overview: memory ratio vs throughput ratio per method and model, and the "
+               "final-loss gap; memory_breakdown: peak MiB by category; throughput_relative: "
+               f"tokens/s vs {BASELINE}; convergence: loss vs optimizer step with the loss floor; "
+               "capacity_batch: largest batch per GPU memory size; capacity_model: largest "
+               "model of each family that trains at a batch, per memory size.")
+    p.add_argument("--summary", required=True, help="summary.csv from bench.report.aggregate")
+    p.add_argument("--curves", help="curves.csv from bench.report.aggregate (optional; without it "
+                                    "the convergence figure lists jobs but draws no curves)")
+    p.add_argument("--out", required=True, help="folder for the figures (created if needed)")
+    args = p.parse_args(argv)
+    summary, curves = read_summary(args.summary), read_curves(args.curves)
+    sns.set_theme(style="whitegrid", context="notebook", font_scale=0.9)
+    for name, build in builders(summary, curves).items():
+        save(build(), args.out, name)
+    print(f"plots: {len(FIGURES)} figures (png + pdf) in {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""Tables from summary.csv: the numbers behind the figures and the report.
+
+Plain pandas, no drawing: `bench.report.figures` draws these tables and `bench.report.markdown` prints them,
+so the two always show the same numbers. The baseline is AdamW (`BASELINE`); methods are
+ordered baseline first, then alphabetically.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from bench.report.aggregate import CURVE_COLUMNS, SUMMARY_COLUMNS
+
+BASELINE = "adamw"
+MIB = 2 ** 20
+CATEGORIES = ["param", "grad", "optimizer", "activation", "other"]
+MEMORY_CELL = ["model", "batch_size", "seq_len", "device"]
+THROUGHPUT_CELL = ["model", "batch_size", "seq_len", "device"]
+CONVERGENCE_CELL = ["task", "model"]
+
+TEXT_COLUMNS = ["kind", "method", "model", "largest_model", "family", "dtype", "device", "device_name",
+                "memory_tier", "task", "status", "message", "commit", "torch_version", "date"]
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _tidy(frame: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    frame = frame.reindex(columns=columns)
+    for col in columns:
+        if col in TEXT_COLUMNS:
+            frame[col] = frame[col].astype("object").where(frame[col].notna(), None)
+        elif col != "hparams" and col != "result_file":
+            frame[col] = pd.to_numeric(frame[col], errors="coerce")
+    for col in ("kind", "method", "model", "task", "device", "status"):
+        if col in frame:
+            frame[col] = frame[col].fillna("unknown" if col == "status" else "?").astype(str)
+    return frame
+
+
+def read_summary(path: str | Path) -> pd.DataFrame:
+    """summary.csv with every column of `SUMMARY_COLUMNS`, numbers as numbers."""
+    return _tidy(pd.read_csv(path), SUMMARY_COLUMNS)
+
+
+def read_curves(path: str | Path | None) -> pd.DataFrame:
+    """curves.csv (or an empty frame when there is none)."""
+    if path is None or not Path(path).exists():
+        return _tidy(pd.DataFrame(columns=CURVE_COLUMNS), CURVE_COLUMNS)
+    return _tidy(pd.read_csv(path), CURVE_COLUMNS)
+
+
+def method_order(methods) -> list[str]:
+    """The baseline first, then alphabetical."""
+    methods = sorted({str(m) for m in methods})
+    return ([BASELINE] if BASELINE in methods else []) + [m for m in methods if m != BASELINE]
+
+
+def model_order(summary: pd.DataFrame, models=None) -> list[str]:
+    """Models by family, then size (n_params), then name: llama-60m before llama-1b."""
+    models = set(summary["model"]) if models is None else set(models)
+    size = summary.groupby("model")["n_params"].max() if len(summary) else pd.Series(dtype=float)
+    fam = summary.groupby("model")["family"].first() if len(summary) else pd.Series(dtype=object)
+
+    def key(m):
+        f = fam.get(m)
+        n = size.get(m)
+        return (str(f) if isinstance(f, str) else str(m).split("-")[0],
+                float(n) if n is not None and pd.notna(n) else np.inf, str(m))
+
+    return sorted(models, key=key)
+
+
+def status_text(statuses) -> str:
+    """'ok' when every job is ok; else e.g. 'oom' or 'ok 2/3, diverged 1'."""
+    counts = pd.Series(list(statuses), dtype=object).value_counts()
+    if list(counts.index) == ["ok"]:
+        return "ok"
+    if "ok" not in counts.index:
+        return ", ".join(s if n == 1 else f"{s} x{n}" for s, n in counts.items())
+    total = int(counts.sum())
+    return ", ".join(f"{s} {n}/{total}" for s, n in counts.items())
+
+
+def first_message(messages) -> str:
+    for m in messages:
+        if isinstance(m, str) and m.strip():
+            return m.strip()
+    return ""
+
+
+def geomean(values) -> float:
+    values = np.asarray([v for v in values if pd.notna(v) and v > 0], dtype=float)
+    return float(np.exp(np.log(values).mean())) if len(values) else np.nan
+
+
+def group_cells(frame: pd.DataFrame, keys: list[str]):
+    """Group by `keys` keeping missing values, in a stable order."""
+    return frame.groupby(keys, dropna=False, sort=True)
+
+
+def _pct_vs_baseline(table: pd.DataFrame, cell: list[str], column: str) -> np.ndarray:
+    """% change of `column` vs the baseline's row of the same cell (NaN without one, or
+    where the baseline's value is 0)."""
+    base = table[table["method"] == BASELINE].set_index(cell)[column]
+    base_value = np.asarray(table.set_index(cell).index.map(lambda k: base.get(k, np.nan)), float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        pct = (table[column].to_numpy(float) / base_value - 1.0) * 100.0
+    return np.where(np.isfinite(pct), pct, np.nan)
+
+
+def memory_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per (memory cell, method): status, peak and categories in MiB (mean over ok
+    seeds), and the change of peak vs the baseline in the same cell (in %)."""
+    mem = summary[summary["kind"] == "memory"]
+    cols = MEMORY_CELL + ["method", "micro_batches", "memory_tier", "device_name", "status",
+                          "message", "n_jobs", "n_ok", "peak_mib", "pct_vs_baseline"] + \
+        [f"{c}_mib" for c in CATEGORIES]
+    rows = []
+    for key, g in group_cells(mem, MEMORY_CELL + ["method"]):
+        ok = g[g["status"] == "ok"]
+        row = dict(zip(MEMORY_CELL + ["method"], key))
+        row.update(micro_batches=g["micro_batches"].max(),
+                   memory_tier=", ".join(sorted(set(g["memory_tier"].dropna()))) or None,
+                   device_name=first_message(g["device_name"]) or None,
+                   status=status_text(g["status"]), message=first_message(g["message"]),
+                   n_jobs=len(g), n_ok=len(ok),
+                   peak_mib=ok["peak_bytes"].mean() / MIB if len(ok) else np.nan)
+        for c in CATEGORIES:
+            row[f"{c}_mib"] = ok[f"{c}_bytes"].mean() / MIB if len(ok) else np.nan
+        rows.append(row)
+    table = pd.DataFrame(rows, columns=cols)
+    if table.empty:
+        return table
+    table["pct_vs_baseline"] = _pct_vs_baseline(table, MEMORY_CELL, "peak_mib")
+    return table
+
+
+def throughput_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per (throughput cell, method): tokens/s (mean over ok seeds), step-time
+    quartiles, and tokens/s relative to the baseline of the same cell, with the
+    interquartile range of the method's step time turned into a ratio range
+    (`ratio_lo`..`ratio_hi`). `has_baseline` is False where the cell has no ok baseline."""
+    thr = summary[summary["kind"] == "throughput"]
+    cols = THROUGHPUT_CELL + ["method", "micro_batches", "status", "message", "n_jobs", "n_ok",
+                              "tokens_per_s", "step_median_s", "step_q1_s", "step_q3_s",
+                              "tps_lo", "tps_hi", "has_baseline", "ratio", "ratio_lo",
+                              "ratio_hi"]
+    rows = []
+    for key, g in group_cells(thr, THROUGHPUT_CELL + ["method"]):
+        ok = g[g["status"] == "ok"]
+        tps, med = ok["tokens_per_s"].mean(), ok["step_time_median_s"].mean()
+        q1, q3 = ok["step_time_q1_s"].mean(), ok["step_time_q3_s"].mean()
+        row = dict(zip(THROUGHPUT_CELL + ["method"], key))
+        # tokens per step = tokens/s x median step time; at q3 (slow) and q1 (fast) step time:
+        row.update(micro_batches=g["micro_batches"].max(), status=status_text(g["status"]),
+                   message=first_message(g["message"]), n_jobs=len(g), n_ok=len(ok),
+                   tokens_per_s=tps, step_median_s=med, step_q1_s=q1, step_q3_s=q3,
+                   tps_lo=tps * med / q3, tps_hi=tps * med / q1)
+        rows.append(row)
+    table = pd.DataFrame(rows, columns=cols)
+    if table.empty:
+        return table
+    base = table[(table["method"] == BASELINE)].set_index(THROUGHPUT_CELL)["tokens_per_s"]
+    base_tps = np.asarray(table.set_index(THROUGHPUT_CELL).index.map(
+        lambda k: base.get(k, np.nan)), dtype=float)
+    table["has_baseline"] = np.isfinite(base_tps)
+    for col, src in (("ratio", "tokens_per_s"), ("ratio_lo", "tps_lo"), ("ratio_hi", "tps_hi")):
+        table[col] = table[src].to_numpy(dtype=float) / base_tps
+    return table
+
+
+def convergence_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per (task, model, method): final loss mean and std over ok seeds, the loss
+    floor (NaN: none known), the gap to it and to the baseline's mean final loss."""
+    conv = summary[summary["kind"] == "convergence"]
+    cols = CONVERGENCE_CELL + ["method", "batch_size", "seq_len", "steps", "status", "message",
+                               "n_jobs", "n_ok", "final_loss_mean", "final_loss_std",
+                               "loss_floor", "gap_to_floor", "gap_vs_baseline"]
+    rows = []
+    for key, g in group_cells(conv, CONVERGENCE_CELL + ["method"]):
+        ok = g[g["status"] == "ok"]
+        floors = conv[(conv["task"] == key[0]) & (conv["model"] == key[1])]["loss_floor"]
+        row = dict(zip(CONVERGENCE_CELL + ["method"], key))
+        row.update(batch_size=g["batch_size"].max(), seq_len=g["seq_len"].max(),
+                   steps=g["steps"].max(), status=status_text(g["status"]),
+                   message=first_message(g["message"]), n_jobs=len(g), n_ok=len(ok),
+                   final_loss_mean=ok["final_loss"].mean() if len(ok) else np.nan,
+                   final_loss_std=ok["final_loss"].std(ddof=1) if len(ok) > 1 else np.nan,
+                   loss_floor=floors.dropna().mean() if floors.notna().any() else np.nan)
+        rows.append(row)
+    table = pd.DataFrame(rows, columns=cols)
+    if table.empty:
+        return table
+    table["gap_to_floor"] = table["final_loss_mean"] - table["loss_floor"]
+    base = table[table["method"] == BASELINE].set_index(CONVERGENCE_CELL)["final_loss_mean"]
+    base_loss = np.asarray(table.set_index(CONVERGENCE_CELL).index.map(
+        lambda k: base.get(k, np.nan)), dtype=float)
+    table["gap_vs_baseline"] = table["final_loss_mean"].to_numpy(dtype=float) - base_loss
+    return table
+
+
+def overview_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per (method, model), baseline excluded: peak-memory ratio and throughput
+    ratio vs the baseline, each a geometric mean over that model's cells (batch sizes), and
+    a note on cells that could not be compared (a failed job, no baseline)."""
+    mem, thr = memory_table(summary), throughput_table(summary)
+    rows = []
+    pairs = set()
+    for t in (mem, thr):
+        pairs |= set(zip(t["method"], t["model"])) if len(t) else set()
+    for method, model in sorted(pairs):
+        if method == BASELINE:
+            continue
+        m = mem[(mem["method"] == method) & (mem["model"] == model)] if len(mem) else mem
+        t = thr[(thr["method"] == method) & (thr["model"] == model)] if len(thr) else thr
+        mem_ratio = geomean(1.0 + m["pct_vs_baseline"] / 100.0) if len(m) else np.nan
+        thr_ratio = geomean(t["ratio"]) if len(t) else np.nan
+        notes = []
+        for kind, part, value in (("memory", m, "pct_vs_baseline"), ("throughput", t, "ratio")):
+            if not len(part):
+                notes.append(f"no {kind} job")
+                continue
+            bad = part[part[value].isna()]
+            if len(bad):
+                why = sorted(set(s for s in bad["status"] if s != "ok")) or ["no ok baseline"]
+                notes.append(f"{kind}: {len(bad)}/{len(part)} cells not compared "
+                             f"({', '.join(why)})")
+        rows.append(dict(method=method, model=model, mem_ratio=mem_ratio,
+                         thr_ratio=thr_ratio, note="; ".join(notes)))
+    return pd.DataFrame(rows, columns=["method", "model", "mem_ratio", "thr_ratio", "note"])
+
+
+MODEL_CAPACITY_CELL = ["family", "seq_len", "dtype", "memory_tier", "batch_size", "capacity_gb"]
+
+
+def capacity_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per (method, model, memory size) of the capacity jobs: the largest batch
+    that fits (0: none; `at_max_batch`: the search's cap fitted, so at least that)."""
+    cap = summary[summary["kind"] == "capacity"]
+    cols = ["method", "model", "family", "n_params", "seq_len", "dtype", "memory_tier",
+            "capacity_gb", "largest_batch", "at_max_batch", "micro_batches", "status", "message"]
+    return cap.reindex(columns=cols).reset_index(drop=True)
+
+
+def parameters_text(n) -> str:
+    """A parameter count for people: '3.49 M', '1.56 B' ('none' for 0)."""
+    return "none" if not n or n <= 0 else (f"{n / 1e9:.3g} B" if n >= 1e9 else f"{n / 1e6:.3g} M")
+
+
+def largest_model_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per (family, sequence, dtype, tier, batch, memory size, method) of the
+    model_capacity jobs: the largest size of the family that trains at that batch
+    (`largest_model`, None and `n_params` 0 when not even the first size does;
+    `at_ladder_top`: the ladder's largest size fits, so at least that), from the size the
+    ladder starts at (`model`); `pct_vs_baseline` compares parameters with AdamW's."""
+    cap = summary[summary["kind"] == "model_capacity"]
+    cols = MODEL_CAPACITY_CELL + ["method", "model", "largest_model", "n_params", "at_ladder_top",
+                                  "status", "message"]
+    out = cap.reindex(columns=cols).reset_index(drop=True)
+    out["n_params"] = out["n_params"].where(out["status"] == "ok")
+    out["pct_vs_baseline"] = _pct_vs_baseline(out, MODEL_CAPACITY_CELL, "n_params") if len(out) else []
+    return out
+
+
+def simulation_accuracy_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """Simulated predictions beside GPU measurements of the same cell (method, model,
+    batch, sequence, dtype): measured / simulated peak allocated bytes, and measured /
+    predicted reserved bytes. Empty until a GPU has run cells the simulation also ran."""
+    keys = ["method", "model", "batch_size", "seq_len", "dtype"]
+    mem = summary[(summary["kind"] == "memory") & (summary["status"] == "ok")]
+    sim = mem[mem["memory_tier"] == "simulated"].groupby(keys)[["peak_bytes", "reserved_peak_bytes"]].mean()
+    gpu = mem[mem["memory_tier"] == "measured"]
+    gpu = gpu.groupby(keys).agg(peak_bytes=("peak_bytes", "mean"),
+                                reserved_peak_bytes=("reserved_peak_bytes", "mean"),
+                                device_name=("device_name", "first"))
+    both = sim.join(gpu, lsuffix="_simulated", rsuffix="_measured", how="inner").reset_index()
+    both["allocated_ratio"] = both["peak_bytes_measured"] / both["peak_bytes_simulated"]
+    both["reserved_ratio"] = both["reserved_peak_bytes_measured"] / both["reserved_peak_bytes_simulated"]
+    return both
+
+
+def _paired(frame: pd.DataFrame, method: str, versus: str, keys: list[str], value: str) -> pd.DataFrame:
+    """Rows of `method` and `versus` with status ok, side by side on `keys` (value_m, value_v)."""
+    ok = frame[frame["status"] == "ok"]
+    mine = ok[ok["method"] == method].set_index(keys)[value]
+    theirs = ok[ok["method"] == versus].set_index(keys)[value]
+    return pd.concat({"m": mine, "v": theirs}, axis=1, join="inner").dropna().reset_index()
+
+
+def _setup_text(rows: pd.DataFrame, summary: pd.DataFrame, kind: str) -> str:
+    part = summary[(summary["kind"] == kind) & summary["model"].isin(rows["model"])]
+    models = ", ".join(model_order(part, rows["model"].unique()))
+    shape = ""
+    if "batch_size" in rows:
+        shape = f"; batch {', '.join(str(int(b)) for b in sorted(rows['batch_size'].unique()))}"
+    if "task" in rows:
+        shape = f"; tasks {', '.join(sorted(rows['task'].unique()))}"
+    tiers = ", ".join(sorted(part["memory_tier"].dropna().unique())) if kind == "memory" else ""
+    devices = ", ".join(sorted(part["device"].dropna().unique()))
+    return f"{models}{shape}; {devices}{' ' + tiers if tiers else ''}"
+
+
+def _change_range(pairs: pd.DataFrame) -> tuple[str, int]:
+    change = 100 * (pairs["m"] / pairs["v"] - 1)
+    return f"{change.min():+.1f}% to {change.max():+.1f}%", len(pairs)
+
+
+def _ratio_range(pairs: pd.DataFrame) -> tuple[str, int]:
+    ratio = pairs["m"] / pairs["v"]
+    return f"{ratio.min():.2f} to {ratio.max():.2f}", len(pairs)
+
+
+def _gap_by_task(pairs: pd.DataFrame) -> tuple[str, int]:
+    gaps = (pairs.assign(gap=pairs["m"] - pairs["v"])
+            .groupby(CONVERGENCE_CELL)["gap"].agg(["mean", "std", "count"]))
+    text = "; ".join(f"{task} {g['mean']:+.3f} ± {g['std']:.3f} (n={int(g['count'])})"
+                     for (task, _model), g in gaps.iterrows())
+    return text, len(gaps)
+
+
+def _capacity_ratio(nothing: str, example):
+    """A summary of capacity pairs: the range of ratios, then each pair (`example(row)`);
+    pairs where the baseline fits nothing are left out (`nothing` if that is all)."""
+    def summarise(pairs: pd.DataFrame) -> tuple[str, int]:
+        pairs = pairs[pairs["v"] > 0]
+        if pairs.empty:
+            return nothing, 0
+        ratio = pairs["m"] / pairs["v"]
+        examples = "; ".join(example(r) for r in pairs.sort_values(["model", "capacity_gb"]).itertuples())
+        return f"{ratio.min():.2f}x to {ratio.max():.2f}x ({examples})", len(pairs)
+    return summarise
+
+
+# metric -> (kind of job, value compared, cell the two methods share, summary of the pairs)
+CLAIM_METRICS = {
+    "largest_model_ratio": ("model_capacity", "n_params_inside_ladder", ["model", "seq_len", "dtype",
+                                                           "memory_tier", "batch_size", "capacity_gb"],
+                            _capacity_ratio("the baseline trains no size of the ladder", lambda r: (
+                                f"{r.capacity_gb:g} GiB from {r.model} at batch {int(r.batch_size)}: "
+                                f"{parameters_text(r.v)} -> {parameters_text(r.m)}"))),
+    "largest_batch_ratio": ("capacity", "largest_batch", ["model", "seq_len", "dtype",
+                                                           "memory_tier", "capacity_gb"],
+                            _capacity_ratio("the baseline fits no batch", lambda r: (
+                                f"{r.capacity_gb:g} GiB {r.model}: {int(r.v)} -> {int(r.m)}"))),
+    "peak_memory_change": ("memory", "peak_bytes", MEMORY_CELL, _change_range),
+    "state_memory_change": ("memory", "state_bytes", MEMORY_CELL, _change_range),
+    "throughput_ratio": ("throughput", "tokens_per_s", THROUGHPUT_CELL + ["seed"], _ratio_range),
+    "final_loss_gap": ("convergence", "final_loss", CONVERGENCE_CELL + ["seed"], _gap_by_task),
+}
+
+
+def claim_table(summary: pd.DataFrame, claims: list[dict]) -> pd.DataFrame:
+    """Each published claim beside what our results say for the same comparison.
+
+    Metrics: `largest_batch_ratio` and `largest_model_ratio` (largest batch, or parameters
+    of the largest model, divided by the other method's, per memory size; model pairs
+    where either answer is the ladder's top are left out), `peak_memory_change` and
+    `state_memory_change` (% change of peak bytes, or of param + grad + optimizer bytes
+    at the peak, per memory cell), `throughput_ratio`
+    (per throughput cell), `final_loss_gap` (final loss minus the other method's, paired by
+    seed, per task and model). `ours` gives the range over cells; `n` counts them.
+    """
+    frame = summary.copy()
+    frame["state_bytes"] = frame[["param_bytes", "grad_bytes", "optimizer_bytes"]].sum(axis=1, min_count=3)
+    # an answer at the ladder's top is only a lower bound: such pairs say nothing of the ratio
+    frame["n_params_inside_ladder"] = frame["n_params"].where(frame["at_ladder_top"] != 1)
+    rows = []
+    for c in claims:
+        if c["metric"] not in CLAIM_METRICS:
+            raise ValueError(f"unknown claim metric {c['metric']!r}; known: {', '.join(CLAIM_METRICS)}")
+        kind, value, keys, summarise = CLAIM_METRICS[c["metric"]]
+        pairs = _paired(frame[frame["kind"] == kind], c["method"], c["versus"], keys, value)
+        ours, n = summarise(pairs) if len(pairs) else ("no results", 0)
+        setup = _setup_text(pairs, summary, kind) if len(pairs) else ""
+        rows.append({**c, "ours": ours, "our_setup": setup, "n": n})
+    return pd.DataFrame(rows, columns=["method", "versus", "metric", "claim", "ours", "setup",
+                                       "our_setup", "source", "n"])

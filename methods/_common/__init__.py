@@ -1,0 +1,3 @@
+"""Helpers that more than one method uses: gradient release (act on a gradient inside
+backward, then free it) and a base for optimizers that update one parameter at a time.
+Not a method: names starting with `_` are skipped by method discovery."""

@@ -1,0 +1,61 @@
+"""The DAG end to end on the smoke profile: results, tables, figures, paper, resumption."""
+import json
+
+import pandas as pd
+
+from bench import suite as plan
+from bench.report.aggregate import SUMMARY_COLUMNS
+from bench.report.figures import FIGURES
+from conftest import job_counts, snakemake
+
+SMOKE = ("--cores", "2", "--config", "profile=smoke")
+
+
+def test_smoke_profile_end_to_end(workflow_copy):
+    out = snakemake(workflow_copy, *SMOKE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = workflow_copy / "results"
+
+    summary = pd.read_csv(results / "summary.csv")
+    assert list(summary.columns) == SUMMARY_COLUMNS
+    # methods x (memory + throughput + 2 seeds convergence + 2 memory sizes of capacity
+    # + 1 of model capacity)
+    assert len(summary) == 2 * (1 + 1 + 2 + 2 + 1)
+    assert (summary.status == "ok").all(), summary[["result_file", "message"]]
+    assert set(summary.kind) == {"memory", "throughput", "convergence", "capacity", "model_capacity"}
+    assert summary.loc[summary.kind == "capacity", "largest_batch"].gt(0).all()
+    assert summary.loc[summary.kind == "model_capacity", "n_params"].gt(0).all()
+    assert summary.loc[summary.kind == "memory", "peak_bytes"].gt(0).all()
+    assert summary.loc[summary.kind == "throughput", "tokens_per_s"].gt(0).all()
+
+    curves = pd.read_csv(results / "curves.csv")
+    assert len(curves) == 2 * 2 * 8  # methods x seeds x steps
+
+    for name in FIGURES:
+        for ext in ("png", "pdf"):
+            assert (results / "figures" / f"{name}.{ext}").stat().st_size > 1000
+    assert (workflow_copy / "paper" / "results.md").stat().st_size > 500
+
+    record = json.loads(next((results / "runs").rglob("*.json")).read_text())
+    assert record["job"]["seed"] in (0, 1) and record["provenance"]["torch_version"]
+
+    # a result the profile no longer plans (its list was shortened) is left alone
+    orphan = next((results / "runs" / "smoke" / "memory").rglob("*.json"))
+    (orphan.parent.parent / "dropped_method").mkdir()
+    (orphan.parent.parent / "dropped_method" / orphan.name).write_text(orphan.read_text())
+    again = snakemake(workflow_copy, "-n", *SMOKE)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "Nothing to be done" in again.stdout + again.stderr
+
+    # another profile plans its own jobs and reads the smoke results as they are
+    other = snakemake(workflow_copy, "-n", "--cores", "2", "--config", "profile=paper-memory")
+    assert other.returncode == 0, other.stderr[-2000:]
+    planned = plan.plan({**plan.load(workflow_copy / "config" / "config.yaml"), "profile": "paper-memory"})
+    assert job_counts(other.stdout)["run_job"] == len(planned)
+
+    victim = next((results / "runs" / "smoke" / "memory").rglob("*.json"))
+    victim.unlink()
+    rerun = snakemake(workflow_copy, "-n", *SMOKE)
+    counts = job_counts(rerun.stdout)
+    assert counts["run_job"] == 1
+    assert str(victim.relative_to(workflow_copy)) in rerun.stdout

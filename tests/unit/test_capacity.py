@@ -1,0 +1,240 @@
+"""GPU memory sizes: the caching-allocator model and the largest-batch search."""
+import random
+
+import pytest
+
+from bench.measure import allocator, capacity, runner
+from bench.measure.allocator import CachingAllocator, replay
+
+MiB = 2**20
+
+
+def test_small_requests_share_a_two_mib_segment():
+    trace = [("alloc", i, 1000) for i in range(3)]
+    r = replay(trace)
+    assert r.fits and r.reserved_peak_bytes == 2 * MiB and r.allocated_peak_bytes == 3 * 1024
+
+
+def test_segment_sizes_follow_the_request_size():
+    assert replay([("alloc", 0, 1.5 * MiB)]).reserved_peak_bytes == 20 * MiB
+    # the rest of that 20 MiB segment (over 1 MiB) serves the next medium request
+    assert replay([("alloc", 0, 1.5 * MiB), ("alloc", 1, 3 * MiB)]).reserved_peak_bytes == 20 * MiB
+    assert replay([("alloc", 0, 11 * MiB + 1)]).reserved_peak_bytes == 12 * MiB
+
+
+def test_freed_blocks_merge_and_are_reused():
+    trace = [("alloc", "a", 4 * MiB), ("alloc", "b", 4 * MiB), ("free", "a"), ("free", "b"),
+             ("alloc", "c", 15 * MiB)]  # fits the merged 20 MiB block: no new segment
+    r = replay(trace)
+    assert r.fits and r.reserved_peak_bytes == 20 * MiB
+
+
+def test_cached_segments_are_released_and_retried_before_out_of_memory():
+    trace = [("alloc", "a", 12 * MiB), ("free", "a"), ("alloc", "b", 20 * MiB)]
+    r = replay(trace, limit_bytes=30 * MiB)
+    assert r.fits and r.alloc_retries == 1 and r.reserved_peak_bytes == 20 * MiB
+    assert replay(trace).reserved_peak_bytes == 32 * MiB  # no limit: the cache is kept
+    failed = replay([("alloc", "a", 12 * MiB)], limit_bytes=10 * MiB)
+    assert not failed.fits and failed.failed_request_bytes == 12 * MiB
+
+
+def test_fragmentation_can_fail_below_the_limit():
+    # two 10 MiB blocks in their own segments; free the first; a 12 MiB request cannot use
+    # the cached 10 MiB segment while the other is live, and the limit allows no new one
+    trace = [("alloc", "a", 10 * MiB), ("alloc", "b", 10 * MiB), ("free", "a"),
+             ("alloc", "c", 12 * MiB)]
+    assert not replay(trace, limit_bytes=21 * MiB).fits  # live bytes would be 22 MiB: no
+    assert replay(trace, limit_bytes=22 * MiB).fits  # the cached one is released, retried
+
+
+def test_random_traces_keep_the_allocator_consistent():
+    rng = random.Random(0)
+    alloc, live = CachingAllocator(), {}
+    for step in range(3000):
+        if live and rng.random() < 0.45:
+            key = rng.choice(list(live))
+            alloc.free(key)
+            del live[key]
+        else:
+            size = rng.choice([rng.randint(1, 4096), rng.randint(1, 3 * MiB), rng.randint(1, 30 * MiB)])
+            assert alloc.malloc(step, size)
+            live[step] = allocator.round_size(size)
+        # a block not worth splitting is handed out whole, and counted whole (as PyTorch does)
+        assert all(alloc.live[k].size >= size for k, size in live.items())
+        assert alloc.allocated == sum(b.size for b in alloc.live.values()) <= alloc.reserved
+        blocks = sorted((b.addr, b.addr + b.size) for b in alloc.live.values())
+        assert all(e0 <= s1 for (_, e0), (s1, _) in zip(blocks, blocks[1:]))  # no overlap
+    for key in list(live):
+        alloc.free(key)
+    assert alloc.allocated == 0
+    alloc._release_cached()
+    assert alloc.reserved == 0  # every segment merged back into one free block
+
+
+def test_a_simulated_run_predicts_what_a_gpu_needs(tiny_job):
+    record = runner.run(tiny_job(simulate=True, batch_size=8, seq_len=64))
+    mem = record["memory"]
+    assert record["status"] == "ok"
+    assert mem["peak_bytes"] <= mem["predicted_allocated_peak_bytes"] <= mem["reserved_peak_bytes"]
+    assert mem["predicted_gpu_bytes"] == mem["reserved_peak_bytes"] + allocator.CUDA_CONTEXT_BYTES
+    over = runner.run(tiny_job(simulate=True, batch_size=8, seq_len=64,
+                               capacity_gb=(mem["predicted_gpu_bytes"] - MiB) / 2**30))
+    assert over["status"] == "oom" and "predicted out of memory" in over["message"]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_largest_finds_the_boundary_of_a_monotone_predicate(seed):
+    rng = random.Random(seed)
+    most = rng.randint(1, 300)
+    answer = rng.randint(0, most)
+    calls = []
+
+    def fits(k):
+        calls.append(k)
+        return k <= answer
+
+    assert capacity._largest(fits, rng.randint(-5, most + 5), most) == answer
+    assert 0 not in calls and len(calls) <= 2 * most.bit_length() + 2
+
+
+def test_tracked_search_is_confirmed_by_capped_runs(tiny_job):
+    job = tiny_job(kind="capacity", method="grad_accum", batch_size=64, seq_len=32,
+                   memory_gb=[0.012, 0.02])
+    record = runner.run(job)
+    assert record["status"] == "ok", record.get("message")
+    found = record["capacity"]
+    assert found["tier"] == "tracked" and found["unit"] == 4
+    for size in found["sizes"]:
+        best, gb = size["largest_batch"], size["memory_gb"]
+        capped = {r["batch_size"]: r["status"] for r in found["runs"]
+                  if r["capacity_gb"] is not None and abs(r["capacity_gb"] - gb) < 1e-9}
+        assert best > 0 and best % 4 == 0
+        assert capped[best] == "ok" and capped[best + 4] == "oom"
+    assert found["sizes"][0]["largest_batch"] < found["sizes"][1]["largest_batch"]
+
+
+def test_simulated_search_answers_every_size_from_one_run_per_batch(tiny_job):
+    job = tiny_job(kind="capacity", batch_size=512, seq_len=64, simulate=True,
+                   memory_gb=[0.6, 0.7, 0.8])
+    found = runner.run(job)["capacity"]
+    batches = [r["batch_size"] for r in found["runs"]]
+    assert len(batches) == len(set(batches))  # each batch simulated once
+    needs = {r["batch_size"]: r["needed_bytes"] for r in found["runs"]}
+    for size in found["sizes"]:
+        best, cap = size["largest_batch"], size["memory_gb"] * 2**30
+        assert needs[best] <= cap < needs[best + 1]
+
+
+def test_a_failing_job_is_a_capacity_error_not_a_crash(tiny_job):
+    record = runner.run(tiny_job(kind="capacity", seq_len=4096, memory_gb=[1.0]))
+    assert record["status"] == "error" and "exceeds" in record["message"]
+    assert record["capacity"]["sizes"][0]["largest_batch"] == 0
+
+
+def test_simulation_accuracy_pairs_the_same_cell():
+    import pandas as pd
+
+    from bench.report.aggregate import SUMMARY_COLUMNS
+    from bench.report.tables import _tidy, simulation_accuracy_table
+
+    cell = dict(kind="memory", method="adamw", model="gpt2-small", batch_size=8, seq_len=512,
+                dtype="bfloat16", status="ok")
+    rows = [dict(cell, memory_tier="simulated", peak_bytes=100, reserved_peak_bytes=120),
+            dict(cell, memory_tier="measured", peak_bytes=110, reserved_peak_bytes=126,
+                 device_name="H100 80GB"),
+            dict(cell, model="gpt2-xl", memory_tier="simulated", peak_bytes=5, reserved_peak_bytes=6)]
+    table = simulation_accuracy_table(_tidy(pd.DataFrame(rows), SUMMARY_COLUMNS))
+    assert list(table["model"]) == ["gpt2-small"]
+    assert table["allocated_ratio"].iloc[0] == pytest.approx(1.10)
+    assert table["reserved_ratio"].iloc[0] == pytest.approx(1.05)
+
+
+@pytest.mark.parametrize("method", ["adamw", "grad_accum", "adama", "galore", "roam"])
+def test_one_fake_model_per_search_gives_a_memory_jobs_bytes(tiny_job, method):
+    unit = 4 if method in ("grad_accum", "adama") else 1
+    sim = capacity._Simulation(tiny_job(kind="capacity", method=method, seq_len=64,
+                                        simulate=True), unit)
+    for batch in (8, 4 * unit, 8):
+        record, trace = sim.measure(batch)
+        job = runner.run(tiny_job(method=method, batch_size=batch, seq_len=64, simulate=True))
+        for key in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
+                    "activation_bytes", "other_bytes"):
+            assert record["memory"][key] == job["memory"][key], (batch, key)
+        # the allocator sees the same step after a warm-up: within a few segments
+        assert abs(record["memory"]["reserved_peak_bytes"]
+                   - job["memory"]["reserved_peak_bytes"]) <= 4 * allocator.LARGE_BUFFER
+
+
+def test_a_batch_size_claim_compares_the_same_memory_size():
+    import pandas as pd
+
+    from bench.report.aggregate import SUMMARY_COLUMNS
+    from bench.report.tables import _tidy, claim_table
+
+    cell = dict(kind="capacity", model="bert-large", seq_len=384, dtype="float32",
+                memory_tier="simulated", status="ok")
+    rows = [dict(cell, method="adamw", capacity_gb=11, largest_batch=4),
+            dict(cell, method="tempo", capacity_gb=11, largest_batch=6),
+            dict(cell, method="adamw", capacity_gb=16, largest_batch=8),
+            dict(cell, method="tempo", capacity_gb=16, largest_batch=13),
+            dict(cell, method="tempo", capacity_gb=40, largest_batch=50)]  # no adamw: unpaired
+    claim = dict(method="tempo", versus="adamw", metric="largest_batch_ratio", claim="2x",
+                 setup="", source="")
+    row = claim_table(_tidy(pd.DataFrame(rows), SUMMARY_COLUMNS), [claim]).iloc[0]
+    assert row["n"] == 2 and row["ours"].startswith("1.50x to 1.62x")
+    assert "11 GiB bert-large: 4 -> 6" in row["ours"]
+
+
+def _boundary_runs(tiny_job, found, size, **kw):
+    """Memory jobs (not the search's own runs) at the answer and the next size, capped."""
+    ladder, best = found["ladder"], size["largest_model"]
+    i = ladder.index(best)
+    return [runner.run(tiny_job(model=name, capacity_gb=size["memory_gb"], **kw))["status"]
+            for name in ladder[i:i + 2]]
+
+
+def test_simulated_model_search_stops_where_the_next_size_does_not_fit(tiny_job):
+    job = tiny_job(kind="model_capacity", batch_size=4, seq_len=64, simulate=True,
+                   memory_gb=[0.56, 0.7])
+    record = runner.run(job)
+    assert record["status"] == "ok", record.get("message")
+    found = record["capacity"]
+    assert found["tier"] == "simulated" and found["ladder"][0] == "gpt2-tiny"
+    answers = [found["ladder"].index(s["largest_model"]) for s in found["sizes"]]
+    assert 0 < answers[0] < answers[1]  # more memory, a larger model
+    for size in found["sizes"]:
+        assert _boundary_runs(tiny_job, found, size, batch_size=4, seq_len=64,
+                              simulate=True) == ["ok", "oom"]
+    simulated = [r["model"] for r in found["runs"] if r["status"] == "ok"]
+    assert len(simulated) == len(set(simulated)) < len(found["ladder"])  # a search, not a grid
+
+
+def test_tracked_model_search_is_confirmed_by_capped_runs(tiny_job):
+    record = runner.run(tiny_job(kind="model_capacity", method="grad_accum", batch_size=4,
+                                 memory_gb=[0.02, 0.04]))
+    assert record["status"] == "ok", record.get("message")
+    found = record["capacity"]
+    assert found["tier"] == "tracked"
+    for size in found["sizes"]:
+        capped = {r["model"]: r["status"] for r in found["runs"]
+                  if r["capacity_gb"] is not None and abs(r["capacity_gb"] - size["memory_gb"]) < 1e-9}
+        i = found["ladder"].index(size["largest_model"])
+        assert capped[found["ladder"][i]] == "ok"
+        assert capped[found["ladder"][i + 1]] in ("oom", "weights exceed")
+        assert size["n_params"] > 0 and not size["at_ladder_top"]
+
+
+def test_a_size_whose_weights_exceed_the_memory_is_not_built(tiny_job):
+    record = runner.run(tiny_job(kind="model_capacity", model="llama-7b", batch_size=1,
+                                 dtype="bfloat16", memory_gb=[4.0]))
+    found = record["capacity"]
+    assert record["status"] == "ok" and found["sizes"][0]["largest_model"] is None
+    assert found["sizes"][0]["n_params"] == 0
+    assert {r["status"] for r in found["runs"]} == {"weights exceed"}
+    assert all(r["weight_bytes"] > 4 * 2**30 for r in found["runs"])
+
+
+def test_a_model_search_needs_a_batch_the_micro_batches_divide(tiny_job):
+    record = runner.run(tiny_job(kind="model_capacity", method="grad_accum", batch_size=6,
+                                 memory_gb=[0.02]))
+    assert record["status"] == "error" and "not divisible by micro_batches=4" in record["message"]

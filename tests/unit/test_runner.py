@@ -1,0 +1,149 @@
+"""The runner: result records, failure statuses, the command line, the data."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench import data
+from bench.measure import runner
+from bench.method import Method
+from conftest import REPO
+
+PROVENANCE_KEYS = {"commit", "torch_version", "transformers_version", "python_version",
+                   "hostname", "date", "device_name"}
+
+
+def test_memory_record_is_complete_and_adds_up(tiny_job):
+    record = runner.run(tiny_job())
+    assert record["status"] == "ok", record.get("message")
+    assert record["schema_version"] == 1
+    assert PROVENANCE_KEYS <= set(record["provenance"])
+    mem = record["memory"]
+    parts = ("param", "grad", "optimizer", "activation", "other")
+    assert sum(mem[f"{c}_bytes"] for c in parts) == mem["peak_bytes"]
+    assert mem["param_bytes"] == 4 * record["n_params"]
+    # AdamW state: two float32 moments per parameter plus one float32 step per tensor
+    n_tensors = sum(1 for _ in torch.nn.Module.parameters(_tiny_model()))
+    assert mem["optimizer_bytes"] == 2 * mem["param_bytes"] + 4 * n_tensors
+    assert mem["tier"] == "tracked"
+    json.dumps(record, allow_nan=False)
+
+
+def _tiny_model():
+    from bench import models
+    return models.build("gpt2-tiny")
+
+
+def test_throughput_and_convergence_records(tiny_job):
+    thr = runner.run(tiny_job(kind="throughput", steps=2, warmup_steps=1))
+    assert thr["status"] == "ok", thr.get("message")
+    t = thr["throughput"]
+    assert len(t["step_times_s"]) == 2
+    assert t["step_time_median_s"] == pytest.approx(sum(t["step_times_s"]) / 2)  # even count
+    assert t["step_time_q1_s"] <= t["step_time_median_s"] <= t["step_time_q3_s"]
+    assert t["tokens_per_s"] == pytest.approx(4 * 32 / t["step_time_median_s"])
+
+    conv = runner.run(tiny_job(kind="convergence", steps=5))
+    assert conv["status"] == "ok", conv.get("message")
+    assert [p["step"] for p in conv["curve"]] == [1, 2, 3, 4, 5]
+    assert conv["loss_floor"] == pytest.approx(data.MarkovTask().loss_floor)
+
+
+def test_same_seed_same_curve_other_seed_other_curve(tiny_job):
+    a = runner.run(tiny_job(kind="convergence", steps=3, seed=1))
+    b = runner.run(tiny_job(kind="convergence", steps=3, seed=1))
+    c = runner.run(tiny_job(kind="convergence", steps=3, seed=2))
+    loss = lambda r: [p["loss"] for p in r["curve"]]
+    assert loss(a) == loss(b)
+    assert loss(a) != loss(c)
+
+
+class Raises(Method):
+    paper = "test"
+
+    def train_step(self, model, optimizer, batch):
+        raise RuntimeError("deliberate failure")
+
+
+class GoesNaN(Method):
+    paper = "test"
+
+    def train_step(self, model, optimizer, batch):
+        super().train_step(model, optimizer, batch)
+        return torch.tensor(float("nan"))
+
+
+@pytest.mark.parametrize("kind", ["memory", "throughput", "convergence"])
+def test_failures_are_results(tiny_job, kind):
+    err = runner.run(tiny_job(kind=kind, steps=2), method=Raises())
+    assert err["status"] == "error" and "deliberate failure" in err["message"]
+    assert "traceback" in err and "provenance" in err
+
+    nan = runner.run(tiny_job(kind=kind, steps=2), method=GoesNaN())
+    assert nan["status"] == "diverged" and "nan" in nan["message"]
+
+
+def test_capacity_gives_oom(tiny_job):
+    record = runner.run(tiny_job(capacity_gb=1e-3))  # ~1 MiB: the parameters alone need ~2 MiB
+    assert record["status"] == "oom"
+    assert "capacity" in record["message"]
+
+
+def test_bad_job_is_an_error_record(tiny_job):
+    record = runner.run(tiny_job(batch_size=6, method="grad_accum"))
+    assert record["status"] == "error" and "not divisible" in record["message"]
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=REPO,
+                          capture_output=True, text=True)
+
+
+def test_cli_help_explains():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    for word in ("--kind", "memory", "throughput", "convergence", "grad_accum", "--capacity-gb"):
+        assert word in out.stdout
+
+
+def test_cli_writes_one_result_and_rejects_unknown_names(tmp_path):
+    out = tmp_path / "r.json"
+    args = ["--kind", "memory", "--model", "gpt2-tiny", "--batch-size", "2", "--seq-len", "16"]
+    ok = run_cli(*args, "--method", "adamw", "--out", str(out))
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(out.read_text())["status"] == "ok"
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left
+
+    bad = run_cli(*args, "--method", "adamx", "--out", str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and "available:" in bad.stderr and "adamw" in bad.stderr
+    assert not (tmp_path / "bad.json").exists()
+
+
+def test_markov_floor_matches_a_monte_carlo_estimate():
+    task = data.MarkovTask()
+    x = task.sample(256, 256, torch.Generator().manual_seed(0))
+    logp = task.transition[x[:, :-1], x[:, 1:]].log()
+    estimate = -float(logp.mean())
+    assert estimate == pytest.approx(task.loss_floor, rel=0.01)
+    assert task.loss_floor < 0.5 * math.log(task.vocab)
+
+
+def test_masked_batches_label_only_masked_positions():
+    task = data.MarkovTask()
+    stream = data.Stream(task, "masked", 256, 8, 64, seed=0)
+    b = stream.next()
+    masked = b["input_ids"] == 255
+    assert (b["labels"][~masked] == data.IGNORE).all()
+    assert (b["labels"][masked] != data.IGNORE).all()
+    assert 0.05 < masked.float().mean() < 0.3
+
+
+def test_corpus_is_checked(monkeypatch):
+    text = data.load_corpus()
+    assert b"To be, or not to be" in text
+    monkeypatch.setattr(data, "CORPUS_SHA256", "0" * 64)
+    with pytest.raises(data.DataError, match="checksum"):
+        data.load_corpus()
