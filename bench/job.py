@@ -16,6 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 SCHEMA = REPO / "config" / "schema.yaml"
 
 KINDS = ("memory", "throughput", "convergence", "capacity", "model_capacity")
+# memory categories of a peak (bench.measure.tracker says what goes in each)
+CATEGORIES = ("param", "grad", "optimizer", "activation", "other")
 # parameter dtypes by name (bench.measure.step maps them to torch dtypes)
 DTYPE_NAMES = ("float32", "bfloat16", "float64")
 

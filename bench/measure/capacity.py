@@ -29,7 +29,7 @@ import sys
 from dataclasses import replace
 
 from bench import data, models
-from bench.measure import allocator, runner
+from bench.measure import allocator, kinds, step
 from bench.measure.tracker import MemoryTracker, cuda_kernels
 from bench.method import load
 from bench.job import Job
@@ -77,7 +77,7 @@ def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
 
             with torch.device("meta"):
                 n = models.n_params(models.build(rungs[i], job.attn_implementation))
-            weights[i] = (n, n * runner.DTYPES[job.dtype].itemsize)
+            weights[i] = (n, n * step.DTYPES[job.dtype].itemsize)
         return weights[i][1]
 
     def oracle(i: int) -> _Oracle:
@@ -198,9 +198,9 @@ class _Simulation:
     def __init__(self, job: Job, unit: int):
         self.job = job
         self.method = load(job.method, job.hparams)
-        self.fake = runner._fake_mode()
+        self.fake = step.fake_mode()
         warm = replace(job, kind="memory", batch_size=unit)
-        self.model, stream = runner._setup(warm, self.method, self.fake)
+        self.model, stream = step.setup(warm, self.method, self.fake)
         self.task, self.objective = stream.task, stream.objective
         self.n_params = models.n_params(self.model)
         self.events: list = []
@@ -216,7 +216,7 @@ class _Simulation:
         self.prefix_live = self._live()
 
     def _live(self) -> dict:
-        return {key: entry[0] for key, entry in self.tracker._live.items()}
+        return self.tracker.live_bytes()
 
     def _batch(self, size: int) -> dict:
         stream = data.Stream(self.task, self.objective, models.vocab_size(self.job.model), size,
@@ -243,7 +243,7 @@ class _Simulation:
         trace += self.events[mark:]
         del self.events[mark:]
         split = self.tracker.peak_split.as_row()
-        memory = {"tier": "simulated", **split, **runner._predict_gpu(trace, None)}
+        memory = {"tier": "simulated", **split, **step.predict_gpu(trace, None)}
         return {"status": "ok", "message": None, "memory": memory, "n_params": self.n_params}, trace
 
 
@@ -263,13 +263,18 @@ class _Oracle:
         self.runs: list[dict] = [] if runs is None else runs  # shared by a model search's sizes
         self.error: str | None = None
 
+    def _run(self, job: Job) -> dict:
+        """A real memory job at `job`'s batch and cap (a fresh model: a capped run may fail)."""
+        method = load(job.method, job.hparams)
+        return kinds.attempt(job, lambda: kinds.measure(job, method))
+
     def _simulate(self, batch: int) -> tuple[dict, list | None]:
         try:
             if self.sim is None:
                 self.sim = _Simulation(self.job, self.unit)
             return self.sim.measure(batch)
         except Exception as e:  # recorded as the search's error, like a failed memory job
-            return {"status": "error", "message": runner.error_message(e, simulated=True)}, None
+            return {"status": "error", "message": step.error_message(e, simulated=True)}, None
 
     def _note(self, record: dict, batch: int, capacity_gb: float | None) -> None:
         """Keep a run as evidence; the first failure that is not out-of-memory ends the search."""
@@ -285,7 +290,7 @@ class _Oracle:
             if self.simulated:
                 record, events = self._simulate(batch)
             else:
-                record, events = runner.run(replace(self.job, batch_size=batch)), None
+                record, events = self._run(replace(self.job, batch_size=batch)), None
             self.records[batch], self.traces[batch] = record, events
             self._note(record, batch, None)
         return self.records[batch]
@@ -317,7 +322,7 @@ class _Oracle:
             return allocator.replay_on_gpu(trace, capacity).fits
         key = (batch, capacity)
         if key not in self.capped:
-            record = runner.run(replace(self.job, batch_size=batch, capacity_gb=capacity / 2**30))
+            record = self._run(replace(self.job, batch_size=batch, capacity_gb=capacity / 2**30))
             self.capped[key] = record
             self._note(record, batch, capacity / 2**30)
         return self.capped[key]["status"] == "ok"

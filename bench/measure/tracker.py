@@ -35,8 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ("param", "grad", "optimizer", "activation", "other")
-CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to 512 bytes
+from bench.job import CATEGORIES
 
 
 class CapacityExceeded(RuntimeError):
@@ -159,6 +158,10 @@ class MemoryTracker(TorchDispatchMode):
         return tensor
 
     # -- peak -------------------------------------------------------------------
+    def live_bytes(self) -> dict[int, int]:
+        """Storage key -> bytes, for every storage alive now."""
+        return {key: entry[0] for key, entry in self._live.items()}
+
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (e.g. after a warm-up step)."""
         self.peak = self.current

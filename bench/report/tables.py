@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from bench.job import CATEGORIES
 from bench.report.aggregate import CURVE_COLUMNS, SUMMARY_COLUMNS
 
 BASELINE = "adamw"
 MIB = 2 ** 20
-CATEGORIES = ["param", "grad", "optimizer", "activation", "other"]
 MEMORY_CELL = ["model", "batch_size", "seq_len", "device"]
 THROUGHPUT_CELL = ["model", "batch_size", "seq_len", "device"]
 CONVERGENCE_CELL = ["task", "model"]

@@ -1,0 +1,143 @@
+"""The measurement of each kind of job on a built model: memory (peak bytes by category over
+a warm-up and a measured step), throughput (timed steps) and convergence (loss per step).
+`measure(job, method)` builds the model and runs the job's kind; `attempt` turns any
+failure into a result (status oom, diverged or error, with the message)."""
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+import traceback
+
+import torch
+
+from bench import models
+from bench.job import Job
+from bench.measure import step
+from bench.measure.step import Diverged, checked, predict_gpu
+from bench.measure.allocator import MIN_BLOCK
+from bench.measure.tracker import CapacityExceeded, MemoryTracker, cuda_kernels, cuda_peak
+from bench.method import Method
+
+
+def measure(job: Job, method: Method) -> dict:
+    """Build the job's model and data, and run its kind (memory, throughput, convergence)."""
+    fake = step.fake_mode() if job.simulate else None
+    model, stream = step.setup(job, method, fake)
+    out = {"n_params": models.n_params(model)}
+    if job.kind == "memory":
+        out.update(_memory(job, method, model, stream, fake))
+    else:
+        kind = {"throughput": _throughput, "convergence": _convergence}[job.kind]
+        out.update(kind(job, method, model, stream))
+    return out
+
+
+def attempt(job: Job, fn) -> dict:
+    """`fn()`'s result with status ok, or the failure as data: out of memory (real, or over
+    `capacity_gb`), a non-finite loss and any exception become status oom, diverged or
+    error with the message, never a crash of the caller."""
+    record = {"status": "ok", "message": None}
+    try:
+        record.update(fn())
+    except (CapacityExceeded, torch.OutOfMemoryError) as e:
+        record.update(status="oom", message=step.first_line(e))
+    except Diverged as e:
+        record.update(status="diverged", message=str(e), **e.partial)
+    except Exception as e:  # failure is data: keep the message, let the DAG go on
+        record.update(status="error", message=step.error_message(e, job.simulate),
+                      traceback=traceback.format_exc(limit=-6))
+    return record
+
+
+def _memory(job: Job, method: Method, model, stream, fake=None) -> dict:
+    cuda = job.device.startswith("cuda") and fake is None
+    # a real CPU run is capped by the tracker; a simulated one by the allocator model below
+    capped = job.capacity_gb and not cuda and fake is None
+    capacity = int(job.capacity_gb * 2**30) if capped else None
+    events = [] if fake is not None else None  # the allocation order, for the allocator model
+    tracker = MemoryTracker(capacity_bytes=capacity, round_to=MIN_BLOCK if cuda else 1,
+                            events=events)
+    raw = [step.next_batch(stream, job.device) for _ in range(2)]
+    check = checked if fake is None else (lambda loss, step: None)  # a fake loss has no value
+    tracker.register_model(model)
+
+    def take_batch():  # each step's batch exists from its step on, as from a data loader
+        batch = raw.pop(0)
+        if fake is not None:
+            batch = {k: fake.from_tensor(v) for k, v in batch.items()}
+        tracker.register(batch.values(), "other")
+        return batch
+
+    out = {}
+    kernels = contextlib.nullcontext() if cuda else cuda_kernels()
+    with fake or contextlib.nullcontext(), tracker, kernels:
+        optimizer = method.make_optimizer(model)
+        loss = method.train_step(model, optimizer, take_batch())
+        tracker.label(method.state_tensors(optimizer), "optimizer")
+        check(loss, 0)
+        out["first_step_peak_bytes"] = tracker.peak
+        del loss  # the measured step starts from the persistent state and its own batch
+        batch = take_batch()
+        tracker.reset_peak()
+        if cuda:
+            with cuda_peak() as stats:
+                loss = method.train_step(model, optimizer, batch)
+        else:
+            loss = method.train_step(model, optimizer, batch)
+        tracker.label(method.state_tensors(optimizer), "optimizer")
+        out["loss"] = check(loss, 1)
+    split = tracker.peak_split.as_row()
+    tier = "tracked" if fake is None else "simulated"
+    out["memory"] = {"tier": tier, **split, "tracked_peak_bytes": split["peak_bytes"]}
+    if fake is not None:
+        out["memory"].update(predict_gpu(events, job.capacity_gb))
+    if cuda:
+        # The allocator's peak is what a GPU needs; what the tracker cannot attribute
+        # (allocator rounding beyond 512 B, library workspaces) is counted as other.
+        peak = stats["allocated_peak_bytes"]
+        known = sum(split[f"{c}_bytes"] for c in ("param", "grad", "optimizer", "activation"))
+        out["memory"].update(tier="measured", peak_bytes=peak, other_bytes=peak - known, **stats)
+    return out
+
+
+def _throughput(job: Job, method: Method, model, stream) -> dict:
+    cuda = job.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    optimizer = method.make_optimizer(model)
+    batch = step.next_batch(stream, job.device)
+    for i in range(job.warmup_steps):
+        checked(method.train_step(model, optimizer, batch), i)
+    times = []
+    for i in range(job.steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = method.train_step(model, optimizer, batch)
+        sync()
+        times.append(time.perf_counter() - t0)
+        checked(loss, job.warmup_steps + i)
+    quartiles = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)
+    q1, median, q3 = (float(q) for q in torch.tensor(times, dtype=torch.float64).quantile(quartiles))
+    tokens = job.batch_size * job.seq_len
+    return {"throughput": {"tokens_per_s": tokens / median, "step_time_median_s": median,
+                           "step_time_q1_s": q1, "step_time_q3_s": q3, "step_times_s": times,
+                           "tokens_per_step": tokens}}
+
+
+def _convergence(job: Job, method: Method, model, stream) -> dict:
+    optimizer = method.make_optimizer(model)
+    curve = []
+    start = time.perf_counter()
+    for i in range(job.steps):
+        try:
+            loss = checked(method.train_step(model, optimizer, step.next_batch(stream, job.device)), i)
+        except Diverged as e:
+            raise Diverged(str(e), {"curve": curve, "loss_floor": stream.task.loss_floor}) from None
+        curve.append({"step": i + 1, "wall_s": time.perf_counter() - start, "loss": loss})
+        if job.log_every and ((i + 1) % job.log_every == 0 or i + 1 == job.steps):
+            print(f"[{job.method} {job.model} seed {job.seed}] step {i + 1}/{job.steps} "
+                  f"loss {loss:.4f}", file=sys.stderr, flush=True)
+    tail = curve[-max(1, job.steps // 10):]
+    return {"curve": curve, "final_loss": sum(c["loss"] for c in tail) / len(tail),
+            "loss_floor": stream.task.loss_floor}

@@ -1,0 +1,128 @@
+"""What every kind of job does first: build the model (on its device, in its dtype, or on
+fake tensors), the data stream, and check what a job asks for; plus what turns a failed
+step into a result (the one-line message, divergence) and what a simulated step predicts
+for a CUDA GPU (the allocator replay)."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+
+import torch
+
+from bench import data, models
+from bench.measure import allocator
+from bench.measure.tracker import CapacityExceeded
+from bench.method import Method
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class Diverged(RuntimeError):
+    """The loss became NaN or infinite; `partial` keeps what was measured before."""
+
+    def __init__(self, message: str, partial: dict | None = None):
+        super().__init__(message)
+        self.partial = partial or {}
+
+
+def error_message(e: Exception, simulated: bool) -> str:
+    """The one-line message of a failed job; on fake tensors, says when the failure is
+    that the step needs a tensor's value (data-dependent ops), which fake tensors lack."""
+    message = f"{type(e).__name__}: {first_line(e)}"
+    if simulated:
+        from torch._subclasses import fake_tensor
+
+        limits = (fake_tensor.DataDependentOutputException,
+                  fake_tensor.DynamicOutputShapeException,
+                  fake_tensor.UnsupportedOperatorException)
+        if isinstance(e, limits) or "data-dependent" in str(e).lower():
+            message = ("cannot run on fake tensors (the simulated tier): the step needs a "
+                       f"tensor's value; measure it on real tensors instead ({message})")
+    return message
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def check_batch(job: Job, method: Method) -> None:
+    if job.batch_size % method.hp["micro_batches"]:
+        raise ValueError(f"batch size {job.batch_size} is not divisible by micro_batches="
+                         f"{method.hp['micro_batches']} of {method.name}")
+
+
+def setup(job: Job, method: Method, fake=None):
+    models.config_of(job.model)  # a clear error for an unknown name
+    check_batch(job, method)
+    if job.seq_len > models.max_positions(job.model):
+        raise ValueError(f"seq_len {job.seq_len} exceeds {job.model}'s {models.max_positions(job.model)} positions")
+    if job.device.startswith("cuda"):
+        # a capacity search runs several jobs in one process: start each from an empty
+        # cache, under its own cap (or none)
+        gc.collect()
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(job.device).total_memory
+        cap = job.capacity_gb * 2**30 / total if job.capacity_gb else 1.0
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap), job.device)
+    torch.manual_seed(job.seed)
+    # Built directly in its dtype and on its device: no copy, and it works on fake tensors.
+    with fake or contextlib.nullcontext(), torch.device(job.device), default_dtype(DTYPES[job.dtype]):
+        model = models.build(job.model, job.attn_implementation, job.dropout)
+    model = method.transform_model(model)
+    model.train()
+    task = data.make_task(job.task)
+    objective = models.OBJECTIVE[models.family(job.model)]
+    stream = data.Stream(task, objective, models.vocab_size(job.model), job.batch_size, job.seq_len, job.seed)
+    return model, stream
+
+
+def next_batch(stream: data.Stream, device: str) -> dict:
+    return {k: v.to(device) for k, v in stream.next().items()}
+
+
+def checked(loss: torch.Tensor, step: int) -> float:
+    value = float(loss)
+    if not math.isfinite(value):
+        raise Diverged(f"loss is {value} at step {step}")
+    return value
+
+
+def predict_gpu(events: list, capacity_gb: float | None) -> dict:
+    """What a CUDA GPU would need for this simulated run: the allocation trace replayed
+    through the caching-allocator model, plus the CUDA context; over `capacity_gb`, the
+    run is an (predicted) out-of-memory."""
+    free_run = allocator.replay(events)
+    predicted = {"predicted_allocated_peak_bytes": free_run.allocated_peak_bytes,
+                 "reserved_peak_bytes": free_run.reserved_peak_bytes,
+                 "context_bytes": allocator.CUDA_CONTEXT_BYTES,
+                 "predicted_gpu_bytes": free_run.reserved_peak_bytes + allocator.CUDA_CONTEXT_BYTES}
+    if capacity_gb:
+        capped = allocator.replay_on_gpu(events, int(capacity_gb * 2**30))
+        if not capped.fits:
+            raise CapacityExceeded(
+                f"predicted out of memory on a {capacity_gb:g} GiB GPU: a {capped.failed_request_bytes:,}"
+                f"-byte allocation does not fit (allocator model, {allocator.CUDA_CONTEXT_BYTES:,} "
+                f"bytes of CUDA context)")
+        predicted["alloc_retries"] = capped.alloc_retries
+    else:
+        predicted["alloc_retries"] = free_run.alloc_retries
+    return predicted
+
+
