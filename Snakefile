@@ -1,35 +1,35 @@
 # membench: config -> one job per (method, model, batch, seed, kind) -> result JSON
 # -> results/summary.csv + results/curves.csv -> results/figures/ -> paper/results.md
 #
-#   snakemake --cores all                          # quick profile (CPU, minutes)
-#   snakemake --cores all --config profile=full --resources gpu=1   # papers' sizes on a GPU
+#   snakemake --cores all                          # the quick suite (CPU, minutes)
+#   snakemake --cores all --config suite=full      # papers' sizes on a GPU
 #   snakemake -n                                   # list the jobs without running them
 import glob
 import re
 import sys
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 
-from bench.suite import ConfigError, plan, validate_schema
+from bench.suite import ConfigError, check, plan
 from bench.report.figures import FIGURES
 
 configfile: "config/config.yaml"
 try:
-    validate_schema(config)  # a short message naming the bad key
-    JOBS = plan(config)  # names of methods, models, profiles, hyperparameters
+    # the one validation: schema, its defaults filled, names, types, capabilities
+    config.update(check(config))
+    JOBS = plan(config)
 except ConfigError as e:
     raise WorkflowError(f"bad config: {e}") from None
-validate(config, "config/schema.yaml")  # Snakemake's check; fills the schema's defaults
 
 PYTHON = sys.executable
-# The tables gather this profile's jobs and every other profile's results on disk (a
-# result of this profile that it no longer plans is left out: it cannot be remade).
-PROFILE_DIR = f"results/runs/{config['profile']}/"
+# The tables gather this suite's jobs and every other suite's results on disk (a
+# result of this suite that it no longer plans is left out: it cannot be remade).
+SUITE_DIR = f"results/runs/{config['suite']}/"
 RESULTS = sorted(set(JOBS) | {p for p in glob.glob("results/runs/*/*/*/*/*.json")
-                              if not p.startswith(PROFILE_DIR)})
-CUDA = config["profiles"][config["profile"]]["device"].startswith("cuda")
+                              if not p.startswith(SUITE_DIR)})
+CUDA = config["suites"][config["suite"]]["device"].startswith("cuda")
 
 
 def job_args(wildcards, output):
@@ -52,10 +52,10 @@ rule all:
 
 rule run_job:
     message: "{wildcards.kind}: {wildcards.method} on {wildcards.model} ({wildcards.cell})"
-    output: "results/runs/{profile}/{kind}/{model}/{method}/{cell}.json"
-    log: "results/logs/{profile}/{kind}/{model}/{method}/{cell}.log"
-    # only this profile's results are made here; other profiles' are read as they are
-    wildcard_constraints: profile=re.escape(config["profile"])
+    output: "results/runs/{suite}/{kind}/{model}/{method}/{cell}.json"
+    log: "results/logs/{suite}/{kind}/{model}/{method}/{cell}.log"
+    # only this suite's results are made here; other suites' are read as they are
+    wildcard_constraints: suite=re.escape(config["suite"])
     params: args=job_args
     threads: job_threads
     resources: gpu=1 if CUDA else 0

@@ -10,10 +10,10 @@ import json
 import sys
 
 from bench.measure import records as results
-from bench.method import available
+from bench.method import MethodError, available, load
 from bench.models import MODELS, is_known
 from bench.data import TASKS
-from bench.job import DTYPE_NAMES, KINDS, Job
+from bench.job import DTYPE_NAMES, JOB_DEFAULTS as D, KINDS, Job
 from bench.measure.runner import run
 
 
@@ -25,6 +25,13 @@ def parse_hparam(text: str):
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {value}")
+    return value
 
 
 def _model(name: str) -> str:
@@ -54,28 +61,31 @@ def parser() -> argparse.ArgumentParser:
                    help="one of: " + ", ".join(MODELS) + "; or any width and depth of a family "
                         "as <family>-d<width>-l<layers>[-v<vocab>], e.g. llama-d3072-l28; "
                         "model_capacity: the first size of the ladder searched")
-    p.add_argument("--batch-size", type=int, required=True, help="sequences per optimizer step")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--batch-size", type=_positive, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=_positive, required=True, help="tokens per sequence")
     p.add_argument("--out", required=True, help="result JSON path (written atomically)")
-    p.add_argument("--seed", type=int, default=0, help="seeds model init and data (default 0)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="parameter dtype")
-    p.add_argument("--task", default="markov", choices=sorted(TASKS), help="training data (default markov)")
-    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
-    p.add_argument("--dropout", type=float, default=None, help="override the model's dropout")
+    p.add_argument("--seed", type=int, default=D["seed"], help="seeds model init and data (default %(default)s)")
+    p.add_argument("--device", default=D["device"], help="cpu or cuda[:N] (default %(default)s)")
+    p.add_argument("--dtype", default=D["dtype"], choices=DTYPE_NAMES, help="parameter dtype (default %(default)s)")
+    p.add_argument("--task", default=D["task"], choices=sorted(TASKS), help="training data (default %(default)s)")
+    p.add_argument("--attn-implementation", default=D["attn_implementation"], choices=["sdpa", "eager"],
+                   help="attention kernel (default %(default)s)")
+    p.add_argument("--dropout", type=float, default=D["dropout"], help="override the model's dropout")
     p.add_argument("--hparam", type=parse_hparam, action="append", default=[], metavar="KEY=VALUE",
                    help="override a method hyperparameter (JSON value), repeatable")
-    p.add_argument("--capacity-gb", type=float, default=None,
+    p.add_argument("--capacity-gb", type=float, default=D["capacity_gb"],
                    help="memory capacity in GiB: over it the job records status oom")
     p.add_argument("--simulate", action="store_true",
                    help="memory and capacity kinds: run the step on fake tensors (no memory is "
                         "allocated; tier 'simulated'), so paper-sized models fit on a laptop; "
                         "what a GPU would need is predicted by a model of CUDA's caching allocator")
-    p.add_argument("--memory-gb", type=float, nargs="+", default=[], metavar="GB",
+    p.add_argument("--memory-gb", type=float, nargs="+", default=D["memory_gb"], metavar="GB",
                    help="capacity kinds: memory sizes in GiB to find the largest batch (or "
                         "model) for; capacity: --batch-size is then the largest batch tried")
-    p.add_argument("--steps", type=int, default=100, help="convergence: steps; throughput: timed steps")
-    p.add_argument("--warmup-steps", type=int, default=2, help="throughput: untimed steps first")
+    p.add_argument("--steps", type=_positive, default=D["steps"],
+                   help="convergence: steps; throughput: timed steps (default %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=D["warmup_steps"],
+                   help="throughput: untimed steps first (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     return p
 
@@ -86,6 +96,10 @@ def main(argv=None) -> int:
     unknown = [m for m in (part.partition("@")[0] for part in method.split("+")) if m not in available()]
     if unknown:
         parser().error(f"unknown method {unknown[0]!r}; available: {', '.join(available())}")
+    try:  # a bad stack or hyperparameter is an argument error, before any work
+        load(method, dict(args.hparam))
+    except MethodError as e:
+        parser().error(str(e))
     job = Job(kind=args.kind, method=method, model=args.model, batch_size=args.batch_size,
               seq_len=args.seq_len, seed=args.seed, device=args.device, dtype=args.dtype,
               task=args.task, attn_implementation=args.attn_implementation, dropout=args.dropout,

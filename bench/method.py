@@ -12,7 +12,13 @@ it changes; the defaults are plain AdamW training with optional gradient accumul
   (fold gradients during backward, run a planned graph).
 - `state_tensors(optimizer)`: the persistent optimizer state, counted as `optimizer`
   memory. Default: every tensor in `optimizer.state`.
+- `paper`: the citation (authors, title, venue, year, arXiv id); required.
 - `incompatible`: names of methods it cannot be stacked with.
+- `simulates`: False if the step needs tensor values (bitsandbytes reads one), so it
+  cannot run on fake tensors; the suite then plans no simulated job for it.
+- `max_micro_batches`: the most micro-batches the method can split a batch into (None:
+  any; 1: no gradient accumulation, e.g. an update fused into backward); the suite
+  rejects a config asking for more before any job.
 - `report`: what the method found worth saying about this run (e.g. which layers it
   replaced); stored in the result as `method_report`.
 - `plans_per_shape`: True if the first step at a new batch shape is a planning step
@@ -43,6 +49,8 @@ class Method:
     defaults: dict = {}
     incompatible: frozenset = frozenset()
     plans_per_shape: bool = False
+    simulates: bool = True
+    max_micro_batches: int | None = None
 
     def __init__(self):
         self.name = _module_name(type(self).__module__)
@@ -64,15 +72,10 @@ class Method:
                     weight_decay=hp["weight_decay"])
 
     def train_step(self, model, optimizer, batch: dict) -> torch.Tensor:
-        n = self.hp["micro_batches"]
-        total = None
-        for micro in split_batch(batch, n):
-            loss = lm_loss(model, micro) / n
-            loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
+        loss = accumulate(model, batch, self.hp["micro_batches"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return total
+        return loss
 
     def state_tensors(self, optimizer) -> list[torch.Tensor]:
         return [v for state in optimizer.state.values() for v in state.values()
@@ -87,6 +90,21 @@ def lm_loss(model, batch: dict) -> torch.Tensor:
         logits = logits.float()
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
                                              ignore_index=-100)
+
+
+def accumulate(model, batch: dict, n: int, before_backward=None) -> torch.Tensor:
+    """Forward and backward over `n` equal micro-batches of `batch`, each loss scaled by
+    1/n so the gradients sum to the batch's; `before_backward(i)` runs before micro-batch
+    i's backward (a method that acts inside backward sets itself up there). Returns the
+    batch's mean loss, detached. The one micro-batch loop of the suite."""
+    total = None
+    for i, micro in enumerate(split_batch(batch, n)):
+        loss = lm_loss(model, micro) / n
+        if before_backward is not None:
+            before_backward(i)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
 
 
 def require_package(module: str, pip_spec: str, method: str):
@@ -201,5 +219,25 @@ def load(spec: str, overrides: dict | None = None) -> Method:
     for key, value in {**(overrides or {}), **fixed}.items():
         if key not in method.hp:
             raise MethodError(f"{spec} has no option {key!r}; options: {', '.join(sorted(method.hp))}")
-        method.hp[key] = value
+        method.hp[key] = _typed(spec, key, value, method.hp[key])
     return method
+
+
+def _typed(spec: str, key: str, value, default):
+    """`value` if it has the type of the option's default (an int where a float is
+    expected is taken as that float; a list where a tuple is); else a MethodError."""
+    if default is None or value is None:
+        return value
+    if isinstance(default, bool) or isinstance(value, bool):
+        ok = isinstance(value, bool) and isinstance(default, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float))
+        value = float(value) if ok else value
+    elif isinstance(default, (tuple, list)):
+        ok = isinstance(value, (tuple, list)) and len(value) == len(default)
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise MethodError(f"{spec}: option {key!r} takes a {type(default).__name__} like "
+                          f"{json.dumps(default)}, not {json.dumps(value)}")
+    return value

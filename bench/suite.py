@@ -1,22 +1,23 @@
-"""Config -> the list of jobs, after checking every name in it.
+"""Config -> the list of jobs, after checking everything in it.
 
-The JSON schema (config/schema.yaml) checks shapes and types; this module checks what
-a schema cannot: that the profile, methods and models exist, that sequences fit the
-models, and that `method_params` name real hyperparameters (the only check that imports
-the method modules, and so torch, and only when overrides are given).
+`check(config)` is the one validation: the JSON schema (config/schema.yaml) checks shapes
+and types, then the defaults it states are filled in, then what a schema cannot check:
+that the suite, methods and models exist, that every method module imports, that stacks
+can be built, that hyperparameter overrides name real options with values of the right
+type, that sequences fit the models, and that a method can do what its jobs ask (run on
+fake tensors, split a batch into micro-batches). Every error names the key.
+`plan(config)` then lists the jobs. Nothing here runs a job.
 """
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
 
 import yaml
 
-from bench.job import KINDS
+from bench.job import JOB_DEFAULTS, KINDS, SCHEMA
 from bench.models import MODELS, is_known, max_positions
-
-REPO = Path(__file__).resolve().parent.parent
-METHODS_DIR = REPO / "methods"
-SCHEMA = REPO / "config" / "schema.yaml"
 
 
 class ConfigError(ValueError):
@@ -30,7 +31,7 @@ def available_methods() -> list[str]:
 
 
 def validate_schema(config: dict) -> None:
-    """Check `config` against config/schema.yaml (fills defaults), naming the bad key."""
+    """Check `config` against config/schema.yaml, naming the bad key."""
     import jsonschema
 
     schema = yaml.safe_load(SCHEMA.read_text())
@@ -41,7 +42,51 @@ def validate_schema(config: dict) -> None:
         raise ConfigError(f"config key {where}: {e.message}")
 
 
+def fill_defaults(config: dict) -> dict:
+    """The config with every default of config/schema.yaml's `$defs/job` filled in (a copy)."""
+    config = copy.deepcopy(config)
+    config.setdefault("method_params", {})
+    for suite in config["suites"].values():
+        for key in ("dtype", "attn_implementation"):
+            suite.setdefault(key, JOB_DEFAULTS[key])
+        suite.setdefault("method_params", {})
+        for kind in KINDS:
+            section = suite.get(kind)
+            if section is None:
+                continue
+            section.setdefault("seeds", [JOB_DEFAULTS["seed"]])
+            section.setdefault("tasks", [JOB_DEFAULTS["task"]])
+            section.setdefault("simulate", JOB_DEFAULTS["simulate"])
+            section.setdefault("capacity_gb", JOB_DEFAULTS["capacity_gb"])
+            if kind == "capacity":
+                section.setdefault("max_batch", JOB_DEFAULTS["max_batch"])
+    return config
+
+
+def check(config: dict) -> dict:
+    """Validate `config` (schema, then names and capabilities) and return it with its
+    defaults filled; raises ConfigError naming the key."""
+    validate_schema(config)
+    config = fill_defaults(config)
+    plan(config)
+    return config
+
+
+def _load_method(name: str, overrides: dict, where: str):
+    from bench.method import MethodError, load
+
+    try:
+        return load(name, overrides)
+    except MethodError as e:
+        raise ConfigError(f"config key {where}: {e}") from None
+    except Exception as e:  # a method module that fails at import: name the file
+        raise ConfigError(f"config key {where}: method {name!r} cannot be loaded: "
+                          f"{type(e).__name__}: {e}") from None
+
+
 def resolve_methods(entries: list[str], where: str) -> list[str]:
+    """The method names an entry list stands for (`all` = every module), each loaded once
+    to check it exists, imports, and (for a stack) can be built."""
     known = available_methods()
     out: list[str] = []
     for entry in entries:
@@ -52,9 +97,8 @@ def resolve_methods(entries: list[str], where: str) -> list[str]:
                 if base not in known:
                     raise ConfigError(f"config key {where}: unknown method {base!r}; "
                                       f"available: all, {', '.join(known)}")
-            if "@" in name:  # a variant: its hyperparameters must exist
-                _check_method_params({name: {}}, where.rsplit("/", 1)[0] + "/methods")
             if name not in out:
+                _load_method(name, {}, f"{where}/{name}" if entry != "all" or "@" in name else where)
                 out.append(name)
     return out
 
@@ -67,79 +111,94 @@ def _check_models(models: list[str], where: str) -> None:
 
 
 def _check_method_params(params: dict, where: str) -> None:
-    if not params:
-        return
-    from bench.method import MethodError, load
-
     for method, overrides in params.items():
         if "@" not in method:
             resolve_methods([method], f"{where}/{method}")
-        try:
-            load(method, overrides)
-        except MethodError as e:
-            raise ConfigError(f"config key {where}/{method}: {e}") from None
+        _load_method(method, overrides, f"{where}/{method}")
 
 
-def method_params(config: dict, profile: dict, method: str) -> dict:
+def method_params(config: dict, suite: dict, method: str) -> dict:
     """Overrides for one method (stack members each get theirs): the top level's, then the
-    profile's on top."""
+    suite's on top."""
     params: dict = {}
     for part in method.split("+"):
         base = part.partition("@")[0]  # a variant's own values win later, in load()
-        for source in (config.get("method_params", {}), profile.get("method_params", {})):
+        for source in (config.get("method_params", {}), suite.get("method_params", {})):
             params.update(source.get(base, {}))
     return params
 
 
+def _capable(config, suite, method: str, section: dict, kind: str, where: str, named: bool) -> bool:
+    """Whether `method` can do this section's jobs (declared capabilities): more
+    micro-batches than it takes is an error; a simulated section leaves out a method that
+    cannot run on fake tensors if it came with `all`, and is an error if it is named."""
+    m = _load_method(method, method_params(config, suite, method), f"{where}/methods")
+    members = getattr(m, "members", [m])
+    limit = min((x.max_micro_batches for x in members if x.max_micro_batches), default=None)
+    if limit is not None and m.hp["micro_batches"] > limit:  # the config asked for it
+        raise ConfigError(f"config key {where}/methods: {method} takes at most {limit} "
+                          f"micro-batch(es), not micro_batches={m.hp['micro_batches']}")
+    if section.get("simulate") and not all(x.simulates for x in members):
+        if named:
+            raise ConfigError(f"config key {where}/methods: {method} cannot run on fake "
+                              f"tensors (simulate: true)")
+        return False
+    return True
+
+
 def plan(config: dict) -> dict[str, list[str]]:
-    """Every job of the selected profile: result path -> `python -m bench` arguments."""
-    name = config["profile"]
-    profiles = config["profiles"]
-    if name not in profiles:
-        raise ConfigError(f"config key profile: unknown profile {name!r}; defined: {', '.join(profiles)}")
-    prof = profiles[name]
-    methods = resolve_methods(prof["methods"], f"profiles/{name}/methods")
-    _check_method_params(config.get("method_params", {}), "method_params")
-    _check_method_params(prof.get("method_params", {}), f"profiles/{name}/method_params")
+    """Every job of the selected suite: result path -> `python -m bench` arguments.
+    `config` must have passed the schema (`check` does both)."""
+    config = fill_defaults(config)
+    name = config["suite"]
+    suites = config["suites"]
+    if name not in suites:
+        raise ConfigError(f"config key suite: unknown suite {name!r}; defined: {', '.join(suites)}")
+    suite = suites[name]
+    methods = resolve_methods(suite["methods"], f"suites/{name}/methods")
+    _check_method_params(config["method_params"], "method_params")
+    _check_method_params(suite["method_params"], f"suites/{name}/method_params")
     jobs: dict[str, list[str]] = {}
     for kind in KINDS:
-        section = prof.get(kind)
+        section = suite.get(kind)
         if not section:
             continue
-        where = f"profiles/{name}/{kind}"
+        where = f"suites/{name}/{kind}"
+        entries = section.get("methods", suite["methods"])
         kind_methods = (resolve_methods(section["methods"], f"{where}/methods")
                         if "methods" in section else methods)
+        kind_methods = [m for m in kind_methods
+                        if _capable(config, suite, m, section, kind, where, named=m in entries)]
         _check_models(section["models"], f"{where}/models")
         for model in section["models"]:
             if section["seq_len"] > max_positions(model):
                 raise ConfigError(f"config key {where}/seq_len: {section['seq_len']} exceeds "
                                   f"{model}'s {max_positions(model)} positions")
-        for task in section.get("tasks", ["markov"]):
+        # a capacity job searches batch sizes up to max_batch
+        batches = [section["max_batch"]] if kind == "capacity" else section["batch_sizes"]
+        for task in section["tasks"]:
             for model in section["models"]:
                 for method in kind_methods:
-                    # a capacity job searches batch sizes up to max_batch
-                    batches = ([section.get("max_batch", 1024)] if kind == "capacity"
-                               else section["batch_sizes"])
                     for batch in batches:
-                        for seed in section.get("seeds", [0]):
-                            path, args = _job(config, prof, name, kind, section, task, method,
+                        for seed in section["seeds"]:
+                            path, args = _job(config, suite, name, kind, section, task, method,
                                               model, batch, seed)
                             jobs[path] = args
     return jobs
 
 
-def _job(config, prof, profile, kind, section, task, method, model, batch, seed):
+def _job(config, suite, name, kind, section, task, method, model, batch, seed):
     cell = f"{task}-bs{batch}-seq{section['seq_len']}-seed{seed}"
     if kind == "capacity":
         cell = f"upto{batch}-seq{section['seq_len']}-seed{seed}"
     args = ["--kind", kind, "--method", method, "--model", model, "--batch-size", str(batch),
-            "--seq-len", str(section["seq_len"]), "--seed", str(seed), "--device", prof["device"],
-            "--dtype", prof.get("dtype", "float32"),
-            "--attn-implementation", prof.get("attn_implementation", "sdpa"), "--task", task]
-    if section.get("capacity_gb"):
+            "--seq-len", str(section["seq_len"]), "--seed", str(seed), "--device", suite["device"],
+            "--dtype", suite["dtype"], "--attn-implementation", suite["attn_implementation"],
+            "--task", task]
+    if section["capacity_gb"]:
         args += ["--capacity-gb", str(section["capacity_gb"])]
         cell += f"-cap{section['capacity_gb']}g"
-    if section.get("simulate"):
+    if section["simulate"]:
         args += ["--simulate"]
         cell += "-sim"
     if kind == "throughput":
@@ -148,20 +207,11 @@ def _job(config, prof, profile, kind, section, task, method, model, batch, seed)
         args += ["--steps", str(section["steps"])]
     if kind in ("capacity", "model_capacity"):
         args += ["--memory-gb", *(f"{gb:g}" for gb in section["memory_gb"])]
-    for key, value in method_params(config, prof, method).items():
-        args += ["--hparam", f"{key}={_json(value)}"]
-    return f"results/runs/{profile}/{kind}/{model}/{method}/{cell}.json", args
-
-
-def _json(value) -> str:
-    import json
-
-    return json.dumps(value, separators=(",", ":"))
+    for key, value in method_params(config, suite, method).items():
+        args += ["--hparam", f"{key}={json.dumps(value, separators=(',', ':'))}"]
+    return f"results/runs/{name}/{kind}/{model}/{method}/{cell}.json", args
 
 
 def load(path: str | Path) -> dict:
-    """Read, schema-check and plan a config file (what the Snakefile does, for tests)."""
-    config = yaml.safe_load(Path(path).read_text())
-    validate_schema(config)
-    plan(config)
-    return config
+    """Read and check a config file (what the Snakefile does), defaults filled."""
+    return check(yaml.safe_load(Path(path).read_text()))

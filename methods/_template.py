@@ -17,10 +17,15 @@ from bench.method import Method
 
 class MyMethod(Method):
     paper = "<Authors>, <Title>, <venue year>"
-    # Hyperparameters with the paper's defaults; the config may override any of them.
+    # Hyperparameters with the paper's defaults; the config may override any of them (with
+    # a value of the same type). lr, betas, eps, weight_decay and micro_batches exist
+    # already (bench.method.BASE_DEFAULTS); list them here only to change their value.
     defaults = dict(lr=1e-3)
     # Methods this one cannot be stacked with (e.g. two that both own the step).
     incompatible = frozenset()
+    # What the method can do, read by the suite before any job is planned:
+    simulates = True  # False if the step reads a tensor's value (no fake tensors)
+    max_micro_batches = None  # 1 if it cannot accumulate gradients over micro-batches
 
     # Change the model (swap layers, wrap blocks). Delete if unused.
     def transform_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -28,7 +33,8 @@ class MyMethod(Method):
 
     # Provide the optimizer. Delete if plain AdamW is right.
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=self.hp["lr"])
+        # adam_args: lr, betas, eps and weight_decay, as the config resolved them
+        return torch.optim.AdamW(model.parameters(), **self.adam_args)
 
     # Own the training step only if the method must (e.g. it updates during backward).
     # Must return the mean loss of the batch as a detached tensor.

@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from bench.method import Method, MethodError, lm_loss, split_batch
+from bench.method import Method, MethodError, accumulate
 from methods._common.release import GradientRelease
 
 STATE_DTYPES = ("param", "float32", "bfloat16", "int8")
@@ -216,13 +216,9 @@ class AdamA(Method):
     def train_step(self, model, optimizer, batch):
         n = self.hp["micro_batches"]
         optimizer.begin(n)
-        total = None
-        for micro in split_batch(batch, n):
-            loss = lm_loss(model, micro) / n
-            loss.backward()  # the hooks fold and release every gradient
-            total = loss.detach() if total is None else total + loss.detach()
+        loss = accumulate(model, batch, n)  # the hooks fold and release every gradient
         optimizer.step()
-        return total
+        return loss
 
     def state_tensors(self, optimizer):
         return optimizer.state_tensors()

@@ -13,6 +13,7 @@ from bench.method import Method, require_package
 class AdamW8bit(Method):
     paper = "Dettmers et al., 8-bit Optimizers via Block-wise Quantization, ICLR 2022 (bitsandbytes)"
     defaults = dict(min_8bit_size=4096)
+    simulates = False  # bitsandbytes reads a tensor's value inside its step
 
     def make_optimizer(self, model):
         bnb = require_package("bitsandbytes", "bitsandbytes==0.50.2", self.name)

@@ -44,6 +44,7 @@ class LayerwiseGaLoreAdamW(GaLoreAdamW):
 
 class GaLoreLayerwise(GaLore):
     defaults = {**GaLore.defaults, "micro_batches": 1}
+    max_micro_batches = 1
 
     def make_optimizer(self, model):
         hp = self.hp

@@ -8,7 +8,7 @@ step), which its documentation calls an approximation of gradient accumulation.
 Hyperparameters are aligned with ours (betas, eps, weight decay passed explicitly;
 optimi's own defaults differ: betas (0.9, 0.99), eps 1e-6, weight decay 1e-2).
 """
-from bench.method import Method, lm_loss, require_package, split_batch
+from bench.method import Method, accumulate, require_package
 
 
 class OptimiAccumulation(Method):
@@ -24,13 +24,11 @@ class OptimiAccumulation(Method):
 
     def train_step(self, model, optimizer, batch):
         n = self.hp["micro_batches"]
-        total = None
-        for i, micro in enumerate(split_batch(batch, n)):
-            optimizer.optimizer_accumulation = i < n - 1  # the last micro-batch updates
-            loss = lm_loss(model, micro) / n
-            loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        return total
+
+        def last_updates(i):  # the last micro-batch's backward updates; earlier ones accumulate
+            optimizer.optimizer_accumulation = i < n - 1
+
+        return accumulate(model, batch, n, before_backward=last_updates)
 
 
 METHOD = OptimiAccumulation

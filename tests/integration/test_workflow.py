@@ -1,4 +1,4 @@
-"""The DAG end to end on the smoke profile: results, tables, figures, paper, resumption."""
+"""The DAG end to end on the smoke suite: results, tables, figures, paper, resumption."""
 import json
 
 import pandas as pd
@@ -8,10 +8,10 @@ from bench.report.aggregate import SUMMARY_COLUMNS
 from bench.report.figures import FIGURES
 from conftest import job_counts, snakemake
 
-SMOKE = ("--cores", "2", "--config", "profile=smoke")
+SMOKE = ("--cores", "2", "--config", "suite=smoke")
 
 
-def test_smoke_profile_end_to_end(workflow_copy):
+def test_smoke_suite_end_to_end(workflow_copy):
     out = snakemake(workflow_copy, *SMOKE)
     assert out.returncode == 0, out.stderr[-3000:]
     results = workflow_copy / "results"
@@ -39,7 +39,7 @@ def test_smoke_profile_end_to_end(workflow_copy):
     record = json.loads(next((results / "runs").rglob("*.json")).read_text())
     assert record["job"]["seed"] in (0, 1) and record["provenance"]["torch_version"]
 
-    # a result the profile no longer plans (its list was shortened) is left alone
+    # a result the suite no longer plans (its list was shortened) is left alone
     orphan = next((results / "runs" / "smoke" / "memory").rglob("*.json"))
     (orphan.parent.parent / "dropped_method").mkdir()
     (orphan.parent.parent / "dropped_method" / orphan.name).write_text(orphan.read_text())
@@ -47,10 +47,10 @@ def test_smoke_profile_end_to_end(workflow_copy):
     assert again.returncode == 0, again.stderr[-2000:]
     assert "Nothing to be done" in again.stdout + again.stderr
 
-    # another profile plans its own jobs and reads the smoke results as they are
-    other = snakemake(workflow_copy, "-n", "--cores", "2", "--config", "profile=paper-memory")
+    # another suite plans its own jobs and reads the smoke results as they are
+    other = snakemake(workflow_copy, "-n", "--cores", "2", "--config", "suite=paper-memory")
     assert other.returncode == 0, other.stderr[-2000:]
-    planned = plan.plan({**plan.load(workflow_copy / "config" / "config.yaml"), "profile": "paper-memory"})
+    planned = plan.plan({**plan.load(workflow_copy / "config" / "config.yaml"), "suite": "paper-memory"})
     assert job_counts(other.stdout)["run_job"] == len(planned)
 
     victim = next((results / "runs" / "smoke" / "memory").rglob("*.json"))

@@ -1,85 +1,11 @@
-"""GPU memory sizes: the caching-allocator model and the largest-batch search."""
+"""GPU memory sizes: the largest-batch and largest-model searches."""
 import random
 
 import pytest
 
 from bench.measure import allocator, capacity, runner
-from bench.measure.allocator import CachingAllocator, replay
 
 MiB = 2**20
-
-
-def test_small_requests_share_a_two_mib_segment():
-    trace = [("alloc", i, 1000) for i in range(3)]
-    r = replay(trace)
-    assert r.fits and r.reserved_peak_bytes == 2 * MiB and r.allocated_peak_bytes == 3 * 1024
-
-
-def test_segment_sizes_follow_the_request_size():
-    assert replay([("alloc", 0, 1.5 * MiB)]).reserved_peak_bytes == 20 * MiB
-    # the rest of that 20 MiB segment (over 1 MiB) serves the next medium request
-    assert replay([("alloc", 0, 1.5 * MiB), ("alloc", 1, 3 * MiB)]).reserved_peak_bytes == 20 * MiB
-    assert replay([("alloc", 0, 11 * MiB + 1)]).reserved_peak_bytes == 12 * MiB
-
-
-def test_freed_blocks_merge_and_are_reused():
-    trace = [("alloc", "a", 4 * MiB), ("alloc", "b", 4 * MiB), ("free", "a"), ("free", "b"),
-             ("alloc", "c", 15 * MiB)]  # fits the merged 20 MiB block: no new segment
-    r = replay(trace)
-    assert r.fits and r.reserved_peak_bytes == 20 * MiB
-
-
-def test_cached_segments_are_released_and_retried_before_out_of_memory():
-    trace = [("alloc", "a", 12 * MiB), ("free", "a"), ("alloc", "b", 20 * MiB)]
-    r = replay(trace, limit_bytes=30 * MiB)
-    assert r.fits and r.alloc_retries == 1 and r.reserved_peak_bytes == 20 * MiB
-    assert replay(trace).reserved_peak_bytes == 32 * MiB  # no limit: the cache is kept
-    failed = replay([("alloc", "a", 12 * MiB)], limit_bytes=10 * MiB)
-    assert not failed.fits and failed.failed_request_bytes == 12 * MiB
-
-
-def test_fragmentation_can_fail_below_the_limit():
-    # two 10 MiB blocks in their own segments; free the first; a 12 MiB request cannot use
-    # the cached 10 MiB segment while the other is live, and the limit allows no new one
-    trace = [("alloc", "a", 10 * MiB), ("alloc", "b", 10 * MiB), ("free", "a"),
-             ("alloc", "c", 12 * MiB)]
-    assert not replay(trace, limit_bytes=21 * MiB).fits  # live bytes would be 22 MiB: no
-    assert replay(trace, limit_bytes=22 * MiB).fits  # the cached one is released, retried
-
-
-def test_random_traces_keep_the_allocator_consistent():
-    rng = random.Random(0)
-    alloc, live = CachingAllocator(), {}
-    for step in range(3000):
-        if live and rng.random() < 0.45:
-            key = rng.choice(list(live))
-            alloc.free(key)
-            del live[key]
-        else:
-            size = rng.choice([rng.randint(1, 4096), rng.randint(1, 3 * MiB), rng.randint(1, 30 * MiB)])
-            assert alloc.malloc(step, size)
-            live[step] = allocator.round_size(size)
-        # a block not worth splitting is handed out whole, and counted whole (as PyTorch does)
-        assert all(alloc.live[k].size >= size for k, size in live.items())
-        assert alloc.allocated == sum(b.size for b in alloc.live.values()) <= alloc.reserved
-        blocks = sorted((b.addr, b.addr + b.size) for b in alloc.live.values())
-        assert all(e0 <= s1 for (_, e0), (s1, _) in zip(blocks, blocks[1:]))  # no overlap
-    for key in list(live):
-        alloc.free(key)
-    assert alloc.allocated == 0
-    alloc._release_cached()
-    assert alloc.reserved == 0  # every segment merged back into one free block
-
-
-def test_a_simulated_run_predicts_what_a_gpu_needs(tiny_job):
-    record = runner.run(tiny_job(simulate=True, batch_size=8, seq_len=64))
-    mem = record["memory"]
-    assert record["status"] == "ok"
-    assert mem["peak_bytes"] <= mem["predicted_allocated_peak_bytes"] <= mem["reserved_peak_bytes"]
-    assert mem["predicted_gpu_bytes"] == mem["reserved_peak_bytes"] + allocator.CUDA_CONTEXT_BYTES
-    over = runner.run(tiny_job(simulate=True, batch_size=8, seq_len=64,
-                               capacity_gb=(mem["predicted_gpu_bytes"] - MiB) / 2**30))
-    assert over["status"] == "oom" and "predicted out of memory" in over["message"]
 
 
 @pytest.mark.parametrize("seed", range(20))

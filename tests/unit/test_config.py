@@ -25,11 +25,11 @@ def test_default_config_plans_every_method_module():
     assert kinds == {"memory", "throughput", "convergence", "capacity", "model_capacity"}
 
 
-@pytest.mark.parametrize("profile", ["quick", "full", "paper-memory", "gpu-capacity", "tempo", "roam",
+@pytest.mark.parametrize("suite", ["quick", "full", "paper-memory", "gpu-capacity", "tempo", "roam",
                                      "galore-ranks", "microadam", "smoke"])
-def test_every_profile_plans(profile):
+def test_every_suite_plans(suite):
     config = copy.deepcopy(CONFIG)
-    config["profile"] = profile
+    config["suite"] = suite
     assert checked(config)
 
 
@@ -40,44 +40,55 @@ def mutate(fn):
 
 
 BAD = {
-    "unknown method": (lambda c: c["profiles"]["quick"].update(methods=["adamx"]),
-                       "profiles/quick/methods: unknown method 'adamx'; available: all, adama, "),
-    "unknown method in a stack": (lambda c: c["profiles"]["quick"].update(methods=["adamw+nope"]),
-                                  "profiles/quick/methods: unknown method 'nope'"),
-    "unknown model": (lambda c: c["profiles"]["quick"]["memory"].update(models=["gpt5"]),
-                      "profiles/quick/memory/models: unknown model 'gpt5'; known: gpt2-tiny"),
+    "unknown method": (lambda c: c["suites"]["quick"].update(methods=["adamx"]),
+                       "suites/quick/methods: unknown method 'adamx'; available: all, adama, "),
+    "unknown method in a stack": (lambda c: c["suites"]["quick"].update(methods=["adamw+nope"]),
+                                  "suites/quick/methods: unknown method 'nope'"),
+    "unknown model": (lambda c: c["suites"]["quick"]["memory"].update(models=["gpt5"]),
+                      "suites/quick/memory/models: unknown model 'gpt5'; known: gpt2-tiny"),
     "shape of a width no head divides": (
-        lambda c: c["profiles"]["quick"]["memory"].update(models=["llama-d100-l2"]),
-        "profiles/quick/memory/models: unknown model 'llama-d100-l2'"),
+        lambda c: c["suites"]["quick"]["memory"].update(models=["llama-d100-l2"]),
+        "suites/quick/memory/models: unknown model 'llama-d100-l2'"),
     "model capacity without its batch": (
-        lambda c: c["profiles"]["quick"]["model_capacity"].pop("batch_sizes"),
-        "profiles/quick/model_capacity: 'batch_sizes' is a required property"),
-    "unknown profile": (lambda c: c.update(profile="huge"),
-                        "profile: unknown profile 'huge'; defined: quick"),
-    "wrong type": (lambda c: c["profiles"]["quick"]["memory"].update(batch_sizes="8"),
-                   "profiles/quick/memory/batch_sizes"),
-    "unknown key": (lambda c: c["profiles"]["quick"]["memory"].update(batchsize=[8]),
-                    "profiles/quick/memory"),
-    "bad device": (lambda c: c["profiles"]["quick"].update(device="tpu"),
-                   "profiles/quick/device"),
-    "sequence too long": (lambda c: c["profiles"]["quick"]["memory"].update(seq_len=4096),
-                          "profiles/quick/memory/seq_len: 4096 exceeds gpt2-tiny's 512 positions"),
-    "unknown task": (lambda c: c["profiles"]["quick"]["convergence"].update(tasks=["c4"]),
-                     "profiles/quick/convergence/tasks/0"),
+        lambda c: c["suites"]["quick"]["model_capacity"].pop("batch_sizes"),
+        "suites/quick/model_capacity: 'batch_sizes' is a required property"),
+    "unknown suite": (lambda c: c.update(suite="huge"),
+                        "suite: unknown suite 'huge'; defined: quick"),
+    "wrong type": (lambda c: c["suites"]["quick"]["memory"].update(batch_sizes="8"),
+                   "suites/quick/memory/batch_sizes"),
+    "unknown key": (lambda c: c["suites"]["quick"]["memory"].update(batchsize=[8]),
+                    "suites/quick/memory"),
+    "bad device": (lambda c: c["suites"]["quick"].update(device="tpu"),
+                   "suites/quick/device"),
+    "sequence too long": (lambda c: c["suites"]["quick"]["memory"].update(seq_len=4096),
+                          "suites/quick/memory/seq_len: 4096 exceeds gpt2-tiny's 512 positions"),
+    "unknown task": (lambda c: c["suites"]["quick"]["convergence"].update(tasks=["c4"]),
+                     "suites/quick/convergence/tasks/0"),
     "unknown hyperparameter": (lambda c: c.update(method_params={"grad_accum": {"microbatches": 8}}),
                                "method_params/grad_accum: grad_accum has no option 'microbatches'"),
     "unknown hyperparameter in a variant": (
-        lambda c: c["profiles"]["quick"].update(methods=["galore@rnk=8"]),
-        "profiles/quick/methods/galore@rnk=8: galore@rnk=8 has no option 'rnk'"),
-    "unknown hyperparameter in a profile": (
-        lambda c: c["profiles"]["quick"].update(method_params={"adama": {"vnorm": "mean"}}),
-        "profiles/quick/method_params/adama: adama has no option 'vnorm'"),
+        lambda c: c["suites"]["quick"].update(methods=["galore@rnk=8"]),
+        "suites/quick/methods/galore@rnk=8: galore@rnk=8 has no option 'rnk'"),
+    "a stack of two optimizers": (lambda c: c["suites"]["quick"].update(methods=["adama+galore"]),
+                                  "suites/quick/methods/adama+galore: adama and galore both provide"),
+    "a hyperparameter of the wrong type": (
+        lambda c: c.update(method_params={"adamw": {"lr": "fast"}}),
+        "method_params/adamw: adamw: option 'lr' takes a float like 0.001, not \"fast\""),
+    "a simulated job of a method that cannot simulate": (
+        lambda c: c["suites"]["paper-memory"].update(methods=["adamw_8bit"]) or c.update(suite="paper-memory"),
+        "suites/paper-memory/memory/methods: adamw_8bit cannot run on fake tensors"),
+    "more micro-batches than a method takes": (
+        lambda c: c["suites"]["quick"].update(method_params={"galore_layerwise": {"micro_batches": 4}}),
+        "galore_layerwise"),
+    "unknown hyperparameter in a suite": (
+        lambda c: c["suites"]["quick"].update(method_params={"adama": {"vnorm": "mean"}}),
+        "suites/quick/method_params/adama: adama has no option 'vnorm'"),
 }
 
 
-def test_profile_method_params_override_the_top_level():
+def test_suite_method_params_override_the_top_level():
     config = mutate(lambda c: (c.update(method_params={"grad_accum": {"micro_batches": 2, "lr": 0.1}}),
-                               c["profiles"]["quick"].update(method_params={"grad_accum": {"micro_batches": 8}})))
+                               c["suites"]["quick"].update(method_params={"grad_accum": {"micro_batches": 8}})))
     jobs = checked(config)
     args = next(a for p, a in jobs.items() if "/memory/gpt2-tiny/checkpointing+grad_accum/" in p)
     hparams = [args[i + 1] for i, a in enumerate(args) if a == "--hparam"]
@@ -108,7 +119,21 @@ def test_a_new_method_module_joins_the_dag(workflow_copy):
 
 
 def test_snakemake_rejects_a_bad_config_before_any_job(workflow_copy):
-    out = snakemake(workflow_copy, "--cores", "2", "--config", "profile=huge")
+    out = snakemake(workflow_copy, "--cores", "2", "--config", "suite=huge")
     assert out.returncode != 0
-    assert "unknown profile 'huge'" in out.stdout + out.stderr
+    assert "unknown suite 'huge'" in out.stdout + out.stderr
     assert not (workflow_copy / "results").exists()
+
+
+def test_a_method_module_that_fails_at_import_stops_planning(workflow_copy):
+    (workflow_copy / "methods" / "broken.py").write_text("import no_such_package\n")
+    out = snakemake(workflow_copy, "-n", "--cores", "2")
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "method 'broken' cannot be loaded" in text and "no_such_package" in text
+
+
+def test_all_leaves_out_what_a_method_cannot_do():
+    config = mutate(lambda c: c.update(suite="paper-memory"))
+    methods = {path.split("/")[5] for path in checked(config)}
+    assert "adamw_8bit" not in methods and "adamw" in methods  # simulated: bitsandbytes cannot

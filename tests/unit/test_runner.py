@@ -1,4 +1,4 @@
-"""The runner: result records, failure statuses, the command line, the data."""
+"""The runner: result records, failure statuses, the command line."""
 import json
 import math
 import subprocess
@@ -122,28 +122,20 @@ def test_cli_writes_one_result_and_rejects_unknown_names(tmp_path):
     assert not (tmp_path / "bad.json").exists()
 
 
-def test_markov_floor_matches_a_monte_carlo_estimate():
-    task = data.MarkovTask()
-    x = task.sample(256, 256, torch.Generator().manual_seed(0))
-    logp = task.transition[x[:, :-1], x[:, 1:]].log()
-    estimate = -float(logp.mean())
-    assert estimate == pytest.approx(task.loss_floor, rel=0.01)
-    assert task.loss_floor < 0.5 * math.log(task.vocab)
-
-
-def test_masked_batches_label_only_masked_positions():
-    task = data.MarkovTask()
-    stream = data.Stream(task, "masked", 256, 8, 64, seed=0)
-    b = stream.next()
-    masked = b["input_ids"] == 255
-    assert (b["labels"][~masked] == data.IGNORE).all()
-    assert (b["labels"][masked] != data.IGNORE).all()
-    assert 0.05 < masked.float().mean() < 0.3
-
-
-def test_corpus_is_checked(monkeypatch):
-    text = data.load_corpus()
-    assert b"To be, or not to be" in text
-    monkeypatch.setattr(data, "CORPUS_SHA256", "0" * 64)
-    with pytest.raises(data.DataError, match="checksum"):
-        data.load_corpus()
+@pytest.mark.parametrize("change, says", [
+    (["--batch-size", "-1"], "--batch-size: must be a positive integer, not -1"),
+    (["--hparam", "lr=fast"], "option 'lr' takes a float"),
+    (["--method", "adama+galore"], "adama and galore both provide"),
+])
+def test_cli_rejects_bad_arguments_before_any_work(tmp_path, change, says):
+    args = {"--kind": "memory", "--model": "gpt2-tiny", "--batch-size": "2", "--seq-len": "16",
+            "--method": "adamw", "--out": str(tmp_path / "r.json")}
+    extra = []
+    for key, value in zip(change[::2], change[1::2]):
+        if key in args:
+            args[key] = value
+        else:
+            extra += [key, value]
+    out = run_cli(*[x for kv in args.items() for x in kv], *extra)
+    assert out.returncode == 2 and says in out.stderr, out.stderr
+    assert not (tmp_path / "r.json").exists()
