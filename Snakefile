@@ -5,14 +5,16 @@
 #   snakemake --cores all --config suite=full      # papers' sizes on a GPU
 #   snakemake -n                                   # list the jobs without running them
 import glob
+import json
 import re
 import sys
+from pathlib import Path
 
 from snakemake.utils import min_version
 
 min_version("9.0")
 
-from bench.suite import ConfigError, check, plan
+from bench.suite import ConfigError, check, groups, plan
 from bench.report.figures import FIGURES
 
 configfile: "config/config.yaml"
@@ -32,13 +34,11 @@ RESULTS = sorted(set(JOBS) | {p for p in glob.glob("results/runs/*/*/*/*/*.json"
 CUDA = config["suites"][config["suite"]]["device"].startswith("cuda")
 
 
-def job_args(wildcards, output):
-    return " ".join(JOBS[output[0]])
+GROUPS = groups(JOBS)
 
 
-def job_threads(wildcards):
-    # Timed jobs run alone, on every core: nothing else competes with the clock.
-    return workflow.cores if wildcards.kind == "throughput" else 1
+def rule_name(gid: str) -> str:
+    return "run_" + re.sub(r"\W", "_", gid)
 
 
 rule all:
@@ -50,16 +50,26 @@ rule all:
         "paper/results.md",
 
 
-rule run_job:
-    message: "{wildcards.kind}: {wildcards.method} on {wildcards.model} ({wildcards.cell})"
-    output: "results/runs/{suite}/{kind}/{model}/{method}/{cell}.json"
-    log: "results/logs/{suite}/{kind}/{model}/{method}/{cell}.log"
-    # only this suite's results are made here; other suites' are read as they are
-    wildcard_constraints: suite=re.escape(config["suite"])
-    params: args=job_args
-    threads: job_threads
-    resources: gpu=1 if CUDA else 0
-    shell: "{PYTHON} -m bench {params.args} --threads {threads} --out {output} 2> {log}"
+# One rule per group of jobs that share a process (bench.suite.groups): the memory jobs of
+# a model, the seeds of a convergence cell, every other job alone. Each job's result is
+# written atomically as soon as it ends; a deleted result reruns its group.
+for gid, paths in GROUPS.items():
+    kind = paths[0].split("/")[3]
+
+    rule:
+        name: rule_name(gid)
+        message: f"{kind}: {gid.split('/', 1)[1]} ({len(paths)} job{'s' if len(paths) > 1 else ''})"
+        output: paths
+        log: f"results/logs/{gid}.log"
+        params: jobs=json.dumps([{"args": JOBS[p], "out": p} for p in paths])
+        # timed jobs run alone, on every core: nothing else competes with the clock
+        threads: workflow.cores if kind == "throughput" else 1
+        resources: gpu=1 if CUDA else 0
+        run:
+            listing = Path(log[0]).with_suffix(".jobs.json")
+            listing.parent.mkdir(parents=True, exist_ok=True)
+            listing.write_text(params.jobs)
+            shell("{PYTHON} -m bench many {listing} --threads {threads} 2> {log}")
 
 
 rule aggregate:

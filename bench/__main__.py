@@ -1,7 +1,8 @@
-"""Command line: run one job and write its result file.
+"""Command line: run one job and write its result file, or several in one process.
 
     python -m bench --kind memory --method grad_accum --model gpt2-tiny \\
         --batch-size 8 --seq-len 128 --out results/runs/example.json
+    python -m bench many jobs.json        # [{"args": [...], "out": "..."}, ...]
 """
 from __future__ import annotations
 
@@ -86,33 +87,74 @@ def parser() -> argparse.ArgumentParser:
                    help="convergence: steps; throughput: timed steps (default %(default)s)")
     p.add_argument("--warmup-steps", type=int, default=D["warmup_steps"],
                    help="throughput: untimed steps first (default %(default)s)")
+    p.add_argument("--rounds", type=_positive, default=D["rounds"],
+                   help="throughput: interleaved rounds of the method and its baseline; --steps "
+                        "are split among them (default %(default)s)")
+    p.add_argument("--baseline", default=D["baseline"],
+                   help="throughput: the method timed beside --method in the same process; the "
+                        "result is the ratio of their tokens/s with a 95%% bootstrap interval "
+                        "(default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     return p
 
 
-def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+def job_from_args(args: argparse.Namespace) -> Job:
+    """The Job the parsed arguments describe; a bad method, stack or hyperparameter is an
+    argument error (SystemExit 2), before any work."""
     method = args.method
     unknown = [m for m in (part.partition("@")[0] for part in method.split("+")) if m not in available()]
     if unknown:
         parser().error(f"unknown method {unknown[0]!r}; available: {', '.join(available())}")
-    try:  # a bad stack or hyperparameter is an argument error, before any work
+    try:
         load(method, dict(args.hparam))
     except MethodError as e:
         parser().error(str(e))
-    job = Job(kind=args.kind, method=method, model=args.model, batch_size=args.batch_size,
-              seq_len=args.seq_len, seed=args.seed, device=args.device, dtype=args.dtype,
-              task=args.task, attn_implementation=args.attn_implementation, dropout=args.dropout,
-              hparams=dict(args.hparam), capacity_gb=args.capacity_gb, steps=args.steps,
-              warmup_steps=args.warmup_steps, threads=args.threads, simulate=args.simulate,
-              memory_gb=args.memory_gb)
+    return Job(kind=args.kind, method=method, model=args.model, batch_size=args.batch_size,
+               seq_len=args.seq_len, seed=args.seed, device=args.device, dtype=args.dtype,
+               task=args.task, attn_implementation=args.attn_implementation, dropout=args.dropout,
+               hparams=dict(args.hparam), capacity_gb=args.capacity_gb, steps=args.steps,
+               warmup_steps=args.warmup_steps, rounds=args.rounds, baseline=args.baseline,
+               threads=args.threads, simulate=args.simulate, memory_gb=args.memory_gb)
+
+
+def run_one(job: Job, out: str) -> dict:
     print(f"membench: {job.kind} {job.method} on {job.model} (batch {job.batch_size}, "
           f"seq {job.seq_len}, seed {job.seed}, {job.device})", file=sys.stderr, flush=True)
     record = run(job)
-    results.write_atomic(args.out, record)
+    results.write_atomic(out, record)
     print(f"membench: status {record['status']}"
           + (f" ({record['message']})" if record["message"] else "")
-          + f", {record['wall_time_s']:.1f} s -> {args.out}", file=sys.stderr)
+          + f", {record['wall_time_s']:.1f} s -> {out}", file=sys.stderr, flush=True)
+    return record
+
+
+def many(argv: list[str]) -> int:
+    """`python -m bench many JOBS.json [--threads N]`: run several jobs in one process, one
+    after another (one start-up of torch for all of them); JOBS.json is a list of
+    {"args": [...the arguments of one job...], "out": "result.json"}. Each result is
+    written atomically as soon as its job ends, so an interrupted group keeps the results
+    it finished."""
+    p = argparse.ArgumentParser(prog="python -m bench many", description=many.__doc__)
+    p.add_argument("jobs", help="JSON list of {args, out}")
+    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    opts = p.parse_args(argv)
+    with open(opts.jobs) as f:
+        entries = json.load(f)
+    jobs = [job_from_args(parser().parse_args([*e["args"], "--out", e["out"]])) for e in entries]
+    for i, (job, entry) in enumerate(zip(jobs, entries)):
+        if opts.threads:
+            job.threads = opts.threads
+        print(f"membench many: job {i + 1}/{len(jobs)}", file=sys.stderr, flush=True)
+        run_one(job, entry["out"])
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["many"]:
+        return many(argv[1:])
+    args = parser().parse_args(argv)
+    run_one(job_from_args(args), args.out)
     return 0
 
 

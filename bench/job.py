@@ -54,6 +54,8 @@ class Job:
     capacity_gb: float | None = _default("capacity_gb")
     steps: int = _default("steps")  # convergence: training steps; throughput: timed steps
     warmup_steps: int = _default("warmup_steps")  # throughput only
+    rounds: int = _default("rounds")  # throughput: interleaved rounds of method and baseline
+    baseline: str = _default("baseline")  # throughput: the method timed beside it
     threads: int | None = None
     log_every: int = _default("log_every")
     simulate: bool = _default("simulate")  # memory and capacity kinds: fake tensors (tier `simulated`)

@@ -60,6 +60,9 @@ def fill_defaults(config: dict) -> dict:
             section.setdefault("capacity_gb", JOB_DEFAULTS["capacity_gb"])
             if kind == "capacity":
                 section.setdefault("max_batch", JOB_DEFAULTS["max_batch"])
+            if kind == "throughput":
+                section.setdefault("rounds", JOB_DEFAULTS["rounds"])
+                section.setdefault("baseline", JOB_DEFAULTS["baseline"])
     return config
 
 
@@ -169,6 +172,10 @@ def plan(config: dict) -> dict[str, list[str]]:
                         if "methods" in section else methods)
         kind_methods = [m for m in kind_methods
                         if _capable(config, suite, m, section, kind, where, named=m in entries)]
+        if kind == "throughput":
+            base = section["baseline"]
+            resolve_methods([base] if isinstance(base, str) else list(base.values()),
+                            f"{where}/baseline")
         _check_models(section["models"], f"{where}/models")
         for model in section["models"]:
             if section["seq_len"] > max_positions(model):
@@ -187,6 +194,12 @@ def plan(config: dict) -> dict[str, list[str]]:
     return jobs
 
 
+def baseline_of(section: dict, method: str) -> str:
+    """The method a throughput job times `method` beside."""
+    base = section["baseline"]
+    return base if isinstance(base, str) else base.get(method, JOB_DEFAULTS["baseline"])
+
+
 def _job(config, suite, name, kind, section, task, method, model, batch, seed):
     cell = f"{task}-bs{batch}-seq{section['seq_len']}-seed{seed}"
     if kind == "capacity":
@@ -202,7 +215,8 @@ def _job(config, suite, name, kind, section, task, method, model, batch, seed):
         args += ["--simulate"]
         cell += "-sim"
     if kind == "throughput":
-        args += ["--steps", str(section["timed_steps"]), "--warmup-steps", str(section["warmup_steps"])]
+        args += ["--steps", str(section["timed_steps"]), "--warmup-steps", str(section["warmup_steps"]),
+                 "--rounds", str(section["rounds"]), "--baseline", baseline_of(section, method)]
     if kind == "convergence":
         args += ["--steps", str(section["steps"])]
     if kind in ("capacity", "model_capacity"):
@@ -210,6 +224,28 @@ def _job(config, suite, name, kind, section, task, method, model, batch, seed):
     for key, value in method_params(config, suite, method).items():
         args += ["--hparam", f"{key}={json.dumps(value, separators=(',', ':'))}"]
     return f"results/runs/{name}/{kind}/{model}/{method}/{cell}.json", args
+
+
+# Jobs that run in one process (one start-up of torch for them all), by kind: the key of
+# a job's group. Throughput and capacity jobs run alone (timed on every core; long).
+GROUP_BY = {"memory": ("kind", "model"), "convergence": ("kind", "model", "task", "method"),
+            "throughput": None, "capacity": None, "model_capacity": None}
+
+
+def groups(jobs: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Group id -> the result paths of the jobs one `python -m bench many` process runs:
+    the memory jobs of a model; the seeds of a (model, task, method)'s convergence; every
+    other job alone. Deleting one result reruns its group (what shares its process)."""
+    out: dict[str, list[str]] = {}
+    for path in jobs:
+        suite, kind, model, method, cell = Path(path).with_suffix("").parts[2:]
+        task = cell.split("-bs")[0]
+        fields = dict(kind=kind, model=model, method=method, task=task)
+        key = GROUP_BY[kind]
+        gid = ("-".join(fields[k] for k in key) if key
+               else f"{kind}-{model}-{method}-{cell}")
+        out.setdefault(f"{suite}/{gid}", []).append(path)
+    return out
 
 
 def load(path: str | Path) -> dict:

@@ -14,23 +14,24 @@ import torch
 
 from bench import models
 from bench.job import Job
-from bench.measure import step
+from bench.measure import step, timing
 from bench.measure.step import Diverged, checked, predict_gpu
 from bench.measure.allocator import MIN_BLOCK
 from bench.measure.tracker import CapacityExceeded, MemoryTracker, cuda_kernels, cuda_peak
-from bench.method import Method
+from bench.method import Method, load
 
 
 def measure(job: Job, method: Method) -> dict:
     """Build the job's model and data, and run its kind (memory, throughput, convergence)."""
+    if job.kind == "throughput":  # builds its own pair of models
+        return _throughput(job, method)
     fake = step.fake_mode() if job.simulate else None
     model, stream = step.setup(job, method, fake)
     out = {"n_params": models.n_params(model)}
     if job.kind == "memory":
         out.update(_memory(job, method, model, stream, fake))
     else:
-        kind = {"throughput": _throughput, "convergence": _convergence}[job.kind]
-        out.update(kind(job, method, model, stream))
+        out.update(_convergence(job, method, model, stream))
     return out
 
 
@@ -102,27 +103,38 @@ def _memory(job: Job, method: Method, model, stream, fake=None) -> dict:
     return out
 
 
-def _throughput(job: Job, method: Method, model, stream) -> dict:
+def _throughput(job: Job, method: Method) -> dict:
+    """The method and its baseline timed side by side in one process (bench.measure.timing)."""
     cuda = job.device.startswith("cuda")
+    # a fresh instance, even when a method is paired with itself (methods keep state)
+    baseline = load(job.baseline, job.hparams if job.baseline == job.method else None)
+    sides, n_params = [], None
+    for m, name in ((method, job.method), (baseline, job.baseline)):  # same seed: the same initial weights and batch
+        model, stream = step.setup(job, m)
+        optimizer = m.make_optimizer(model)
+        batch = step.next_batch(stream, job.device)
+
+        def one_step(m=m, model=model, optimizer=optimizer, batch=batch):
+            return m.train_step(model, optimizer, batch)
+
+        def tensors(m=m, model=model, optimizer=optimizer):
+            return ([*model.parameters(), *model.buffers(), *m.state_tensors(optimizer)]
+                    + [p.grad for p in model.parameters() if p.grad is not None])
+
+        n_params = n_params or models.n_params(model)
+        side = timing.Side(name, one_step, tensors if cuda else None)
+        for i in range(job.warmup_steps):
+            checked(side.step(), i)
+        if cuda:  # one side on the GPU at a time: the other waits in host memory
+            side.park("cpu")
+        sides.append(side)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    optimizer = method.make_optimizer(model)
-    batch = step.next_batch(stream, job.device)
-    for i in range(job.warmup_steps):
-        checked(method.train_step(model, optimizer, batch), i)
-    times = []
-    for i in range(job.steps):
-        sync()
-        t0 = time.perf_counter()
-        loss = method.train_step(model, optimizer, batch)
-        sync()
-        times.append(time.perf_counter() - t0)
-        checked(loss, job.warmup_steps + i)
-    quartiles = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)
-    q1, median, q3 = (float(q) for q in torch.tensor(times, dtype=torch.float64).quantile(quartiles))
-    tokens = job.batch_size * job.seq_len
-    return {"throughput": {"tokens_per_s": tokens / median, "step_time_median_s": median,
-                           "step_time_q1_s": q1, "step_time_q3_s": q3, "step_times_s": times,
-                           "tokens_per_step": tokens}}
+    rounds = job.rounds
+    timing.interleave(*sides, rounds, max(1, job.steps // rounds), seed=job.seed, sync=sync,
+                      park_to="cpu" if cuda else None, home=job.device,
+                      check=lambda loss, r: checked(loss, job.warmup_steps + r))
+    return {"n_params": n_params,
+            "throughput": timing.summary(*sides, job.batch_size * job.seq_len, job.seed)}
 
 
 def _convergence(job: Job, method: Method, model, stream) -> dict:

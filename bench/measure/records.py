@@ -20,7 +20,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> str:
-    """HEAD's hash, with `-dirty` when tracked files differ from it; `unknown` outside git."""
+    """HEAD's hash, with `-dirty` when tracked files differ from it; outside git (a copy of
+    the tree), the environment's MEMBENCH_COMMIT, else `unknown`."""
+    if os.environ.get("MEMBENCH_COMMIT"):
+        return os.environ["MEMBENCH_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, check=True).stdout.strip()

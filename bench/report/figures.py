@@ -245,7 +245,7 @@ def figure_throughput_relative(summary: pd.DataFrame) -> plt.Figure:
     hatches = ["", "//", "..", "xx", "\\\\", "++"]
     for ax, (model, relative, cells) in zip(axes, panels):
         value, lo, hi = (("ratio", "ratio_lo", "ratio_hi") if relative
-                         else ("tokens_per_s", "tps_lo", "tps_hi"))
+                         else ("tokens_per_s", "tokens_per_s", "tokens_per_s"))
         part = table[table["model"] == model]
         height = 0.8 / len(cells)
         ys = np.arange(len(methods))
@@ -269,7 +269,7 @@ def figure_throughput_relative(summary: pd.DataFrame) -> plt.Figure:
                             color=FAIL_COLOR, fontweight="bold", fontsize=9)
                     continue
                 err = None
-                if pd.notna(row[lo]) and pd.notna(row[hi]):
+                if relative and pd.notna(row[lo]) and pd.notna(row[hi]):
                     err = [[row[value] - row[lo]], [row[hi] - row[value]]]
                 ax.barh(yy, row[value], height=height * 0.9, color=colors[method],
                         hatch=hatches[j % len(hatches)], edgecolor="white",
@@ -298,8 +298,9 @@ def figure_throughput_relative(summary: pd.DataFrame) -> plt.Figure:
         ax.grid(axis="y", visible=False)
     _finish(fig, f"{title} (device: {_devices_text(thr)})",
             f"Bars: tokens/s of the method / tokens/s of {BASELINE} with the same model, batch "
-            f"and sequence length (dashed line: 1.0 = as fast as {BASELINE}). Error bars: "
-            "interquartile range (q1-q3) of the method's step time, as a ratio. "
+            f"and sequence length, both timed in the same job in interleaved rounds (dashed "
+            f"line: 1.0 = as fast as {BASELINE}). Error bars: 95% bootstrap interval of the "
+            "median of the per-round ratios. "
             "A job that did not finish shows its status in red instead of a bar.")
     return fig
 
@@ -503,6 +504,10 @@ def _overview_scatter(ax, table: pd.DataFrame, colors, markers) -> None:
             continue
         style = dict(s=80, marker=markers[r.model], zorder=3, linewidth=0.8)
         if pd.notna(r.mem_ratio) and pd.notna(r.thr_ratio):
+            if pd.notna(r.thr_lo) and pd.notna(r.thr_hi):  # the paired ratio's 95% interval
+                ax.errorbar(r.mem_ratio, r.thr_ratio, yerr=[[r.thr_ratio - r.thr_lo],
+                                                            [r.thr_hi - r.thr_ratio]],
+                            color=colors[r.method], lw=1, capsize=2, zorder=2)
             ax.scatter(r.mem_ratio, r.thr_ratio, color=colors[r.method], edgecolor="black",
                        **style)
         elif pd.notna(r.mem_ratio):

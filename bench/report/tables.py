@@ -139,36 +139,32 @@ def memory_table(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 def throughput_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """One row per (throughput cell, method): tokens/s (mean over ok seeds), step-time
-    quartiles, and tokens/s relative to the baseline of the same cell, with the
-    interquartile range of the method's step time turned into a ratio range
-    (`ratio_lo`..`ratio_hi`). `has_baseline` is False where the cell has no ok baseline."""
+    """One row per (throughput cell, method): tokens/s and step-time quartiles (mean over
+    ok seeds), and the paired ratio to the job's baseline (the method's tokens/s over the
+    baseline's, timed side by side in the same job: bench.measure.timing) with its 95%
+    bootstrap interval (`ratio_lo`..`ratio_hi`). `has_baseline` is False where no ok
+    job gave a paired ratio."""
     thr = summary[summary["kind"] == "throughput"]
-    cols = THROUGHPUT_CELL + ["method", "micro_batches", "status", "message", "n_jobs", "n_ok",
-                              "tokens_per_s", "step_median_s", "step_q1_s", "step_q3_s",
-                              "tps_lo", "tps_hi", "has_baseline", "ratio", "ratio_lo",
+    cols = THROUGHPUT_CELL + ["method", "baseline", "micro_batches", "status", "message", "n_jobs",
+                              "n_ok", "tokens_per_s", "baseline_tokens_per_s", "step_median_s",
+                              "step_q1_s", "step_q3_s", "has_baseline", "ratio", "ratio_lo",
                               "ratio_hi"]
     rows = []
     for key, g in group_cells(thr, THROUGHPUT_CELL + ["method"]):
         ok = g[g["status"] == "ok"]
-        tps, med = ok["tokens_per_s"].mean(), ok["step_time_median_s"].mean()
-        q1, q3 = ok["step_time_q1_s"].mean(), ok["step_time_q3_s"].mean()
         row = dict(zip(THROUGHPUT_CELL + ["method"], key))
-        # tokens per step = tokens/s x median step time; at q3 (slow) and q1 (fast) step time:
-        row.update(micro_batches=g["micro_batches"].max(), status=status_text(g["status"]),
+        row.update(baseline=first_message(g["baseline"]) if "baseline" in g else None,
+                   micro_batches=g["micro_batches"].max(), status=status_text(g["status"]),
                    message=first_message(g["message"]), n_jobs=len(g), n_ok=len(ok),
-                   tokens_per_s=tps, step_median_s=med, step_q1_s=q1, step_q3_s=q3,
-                   tps_lo=tps * med / q3, tps_hi=tps * med / q1)
+                   tokens_per_s=ok["tokens_per_s"].mean(),
+                   baseline_tokens_per_s=ok["baseline_tokens_per_s"].mean(),
+                   step_median_s=ok["step_time_median_s"].mean(),
+                   step_q1_s=ok["step_time_q1_s"].mean(), step_q3_s=ok["step_time_q3_s"].mean(),
+                   ratio=ok["throughput_ratio"].mean(), ratio_lo=ok["throughput_ratio_lo"].mean(),
+                   ratio_hi=ok["throughput_ratio_hi"].mean())
         rows.append(row)
     table = pd.DataFrame(rows, columns=cols)
-    if table.empty:
-        return table
-    base = table[(table["method"] == BASELINE)].set_index(THROUGHPUT_CELL)["tokens_per_s"]
-    base_tps = np.asarray(table.set_index(THROUGHPUT_CELL).index.map(
-        lambda k: base.get(k, np.nan)), dtype=float)
-    table["has_baseline"] = np.isfinite(base_tps)
-    for col, src in (("ratio", "tokens_per_s"), ("ratio_lo", "tps_lo"), ("ratio_hi", "tps_hi")):
-        table[col] = table[src].to_numpy(dtype=float) / base_tps
+    table["has_baseline"] = np.isfinite(table["ratio"].to_numpy(dtype=float))
     return table
 
 
@@ -204,7 +200,8 @@ def convergence_table(summary: pd.DataFrame) -> pd.DataFrame:
 
 def overview_table(summary: pd.DataFrame) -> pd.DataFrame:
     """One row per (method, model), baseline excluded: peak-memory ratio and throughput
-    ratio vs the baseline, each a geometric mean over that model's cells (batch sizes), and
+    ratio vs the baseline (with the paired ratio's 95% interval, `thr_lo`..`thr_hi`), each
+    a geometric mean over that model's cells (batch sizes), and
     a note on cells that could not be compared (a failed job, no baseline)."""
     mem, thr = memory_table(summary), throughput_table(summary)
     rows = []
@@ -218,6 +215,8 @@ def overview_table(summary: pd.DataFrame) -> pd.DataFrame:
         t = thr[(thr["method"] == method) & (thr["model"] == model)] if len(thr) else thr
         mem_ratio = geomean(1.0 + m["pct_vs_baseline"] / 100.0) if len(m) else np.nan
         thr_ratio = geomean(t["ratio"]) if len(t) else np.nan
+        thr_lo = geomean(t["ratio_lo"]) if len(t) else np.nan
+        thr_hi = geomean(t["ratio_hi"]) if len(t) else np.nan
         notes = []
         for kind, part, value in (("memory", m, "pct_vs_baseline"), ("throughput", t, "ratio")):
             if not len(part):
@@ -228,9 +227,10 @@ def overview_table(summary: pd.DataFrame) -> pd.DataFrame:
                 why = sorted(set(s for s in bad["status"] if s != "ok")) or ["no ok baseline"]
                 notes.append(f"{kind}: {len(bad)}/{len(part)} cells not compared "
                              f"({', '.join(why)})")
-        rows.append(dict(method=method, model=model, mem_ratio=mem_ratio,
-                         thr_ratio=thr_ratio, note="; ".join(notes)))
-    return pd.DataFrame(rows, columns=["method", "model", "mem_ratio", "thr_ratio", "note"])
+        rows.append(dict(method=method, model=model, mem_ratio=mem_ratio, thr_ratio=thr_ratio,
+                         thr_lo=thr_lo, thr_hi=thr_hi, note="; ".join(notes)))
+    return pd.DataFrame(rows, columns=["method", "model", "mem_ratio", "thr_ratio", "thr_lo",
+                                       "thr_hi", "note"])
 
 
 MODEL_CAPACITY_CELL = ["family", "seq_len", "dtype", "memory_tier", "batch_size", "capacity_gb"]

@@ -25,7 +25,7 @@ def test_default_config_plans_every_method_module():
     assert kinds == {"memory", "throughput", "convergence", "capacity", "model_capacity"}
 
 
-@pytest.mark.parametrize("suite", ["quick", "full", "paper-memory", "gpu-capacity", "tempo", "roam",
+@pytest.mark.parametrize("suite", ["quick", "full", "gpu", "gpu-twins", "paper-memory", "gpu-capacity", "tempo", "roam",
                                      "galore-ranks", "microadam", "smoke"])
 def test_every_suite_plans(suite):
     config = copy.deepcopy(CONFIG)
@@ -106,7 +106,14 @@ def test_bad_config_names_the_key(case):
 def test_dry_run_lists_jobs(workflow_copy):
     out = snakemake(workflow_copy, "-n", "--cores", "2")
     assert out.returncode == 0, out.stderr
-    assert job_counts(out.stdout)["run_job"] == len(checked(copy.deepcopy(CONFIG)))
+    jobs = checked(copy.deepcopy(CONFIG))
+    counts = job_counts(out.stdout)
+    assert sum(n for rule, n in counts.items() if rule.startswith("run_")) == len(plan.groups(jobs))
+    # every job is in exactly one group, and the groups are what share a process
+    grouped = [p for paths in plan.groups(jobs).values() for p in paths]
+    assert sorted(grouped) == sorted(jobs)
+    memory = [g for g in plan.groups(jobs) if g.startswith("quick/memory-")]
+    assert memory == ["quick/memory-gpt2-tiny", "quick/memory-bert-tiny", "quick/memory-llama-tiny"]
 
 
 def test_a_new_method_module_joins_the_dag(workflow_copy):

@@ -24,10 +24,17 @@ def memory_row(method, batch, peak_mib, status="ok", message=None, micro=1):
     return row
 
 
-def throughput_row(method, model, median, status="ok", message=None):
+def throughput_row(method, model, median, status="ok", message=None, base_median=0.10):
+    """A paired throughput job: the method beside adamw, whose step takes `base_median`
+    (None: no paired ratio, as in a result made before pairing)."""
     tokens = 4 * 16
     ok = status == "ok"
+    ratio = base_median / median if ok and base_median else None
     return dict(kind="throughput", method=method, model=model, family="toy", batch_size=4,
+                baseline="adamw", throughput_ratio=ratio,
+                throughput_ratio_lo=ratio * 0.95 if ratio else None,
+                throughput_ratio_hi=ratio * 1.05 if ratio else None,
+                baseline_tokens_per_s=tokens / base_median if ok and base_median else None,
                 micro_batches=1, seq_len=16, device="cpu", device_name="Test CPU",
                 tokens_per_s=tokens / median if ok else None,
                 step_time_median_s=median if ok else None,
@@ -50,8 +57,8 @@ def synthetic_summary() -> pd.DataFrame:
         memory_row("zeta_new", 8, None, status="oom", message=OOM_MESSAGE),
         throughput_row("adamw", "toy-a", 0.10), throughput_row("grad_accum", "toy-a", 0.12),
         throughput_row("zeta_new", "toy-a", 0.20),
-        # toy-b has no adamw job: its panel falls back to absolute tokens/s
-        throughput_row("grad_accum", "toy-b", 0.05),
+        # toy-b has no paired ratio: its panel falls back to absolute tokens/s
+        throughput_row("grad_accum", "toy-b", 0.05, base_median=None),
     ]
     for seed in range(2):
         rows += [convergence_row("adamw", "markov", seed, 1.30 + 0.01 * seed, 1.2),
@@ -131,7 +138,8 @@ def test_tables_agree_with_hand_computation():
     summary = synthetic_summary()
     thr = plots.throughput_table(summary).set_index(["model", "method"])
     assert thr.loc[("toy-a", "grad_accum"), "ratio"] == pytest.approx(0.10 / 0.12)
-    assert thr.loc[("toy-a", "grad_accum"), "ratio_lo"] == pytest.approx(0.10 / (0.12 * 1.1))
+    assert thr.loc[("toy-a", "grad_accum"), "ratio_lo"] == pytest.approx(0.95 * 0.10 / 0.12)
+    assert thr.loc[("toy-a", "grad_accum"), "baseline"] == "adamw"
     assert not thr.loc[("toy-b", "grad_accum"), "has_baseline"]
     conv = plots.convergence_table(summary).set_index(["task", "method"])
     assert conv.loc[("markov", "grad_accum"), "gap_vs_baseline"] == pytest.approx(0.02)

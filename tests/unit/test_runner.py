@@ -38,13 +38,18 @@ def _tiny_model():
 
 
 def test_throughput_and_convergence_records(tiny_job):
-    thr = runner.run(tiny_job(kind="throughput", steps=2, warmup_steps=1))
+    thr = runner.run(tiny_job(kind="throughput", method="grad_accum", steps=4, rounds=2,
+                              warmup_steps=1))
     assert thr["status"] == "ok", thr.get("message")
     t = thr["throughput"]
-    assert len(t["step_times_s"]) == 2
-    assert t["step_time_median_s"] == pytest.approx(sum(t["step_times_s"]) / 2)  # even count
-    assert t["step_time_q1_s"] <= t["step_time_median_s"] <= t["step_time_q3_s"]
+    assert t["baseline"] == "adamw" and thr["n_params"] > 0
+    assert len(t["round_step_times_s"]) == len(t["baseline_round_step_times_s"]) == 2
+    a, b = t["round_step_times_s"], t["baseline_round_step_times_s"]
+    assert t["round_ratios"] == [tb / ta for ta, tb in zip(a, b)]
+    assert t["step_time_median_s"] == pytest.approx(sum(a) / 2)  # even count
     assert t["tokens_per_s"] == pytest.approx(4 * 32 / t["step_time_median_s"])
+    assert t["baseline_tokens_per_s"] == pytest.approx(4 * 32 / (sum(b) / 2))
+    assert t["throughput_ratio_lo"] <= t["throughput_ratio"] <= t["throughput_ratio_hi"]
 
     conv = runner.run(tiny_job(kind="convergence", steps=5))
     assert conv["status"] == "ok", conv.get("message")

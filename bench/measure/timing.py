@@ -1,0 +1,95 @@
+"""Paired timing: a method's speed as a ratio to its baseline, both timed in one process.
+
+Two runs of the same throughput job differ by 10% or more on a shared machine (clock
+boost, other processes, thermal state), far more than the spread of the steps inside one
+run. A ratio measured side by side cancels what drifts slowly: the method (A) and its
+baseline (B) are built from the same seed, warmed up, and then timed in interleaved
+rounds, each round running a few steps of each side on the same batch in an order drawn
+at random per round (seeded), so drift hits both. Per round,
+
+    r_i = (B's mean step time) / (A's mean step time)      (A's tokens/s over B's)
+
+and the result is the median of the r_i with a 95% bootstrap confidence interval
+(percentiles of the median over rounds resampled with replacement). On CUDA every timed
+block is bracketed by `torch.cuda.synchronize()`. Where both sides cannot be resident at
+once (paper-sized models on one GPU), the idle side is parked in host memory between its
+blocks (`Side.park`): the move is not timed, and the pairing is kept.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+BOOTSTRAP_SAMPLES = 2000
+
+
+def bootstrap_median(ratios: list[float], seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """Median of `ratios` and its `level` percentile-bootstrap interval (seeded)."""
+    rng = random.Random(seed)
+    n = len(ratios)
+    medians = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(BOOTSTRAP_SAMPLES))
+    tail = (1 - level) / 2
+    lo = medians[int(tail * (BOOTSTRAP_SAMPLES - 1))]
+    hi = medians[int((1 - tail) * (BOOTSTRAP_SAMPLES - 1))]
+    return statistics.median(ratios), lo, hi
+
+
+@dataclass
+class Side:
+    """One side of a pair: a method, its model and optimizer, and its step times."""
+    name: str
+    step: callable  # runs one training step, returns the loss
+    tensors: callable = None  # every tensor the side keeps (to park it), or None
+    times: list = field(default_factory=list)  # mean step time of each round, seconds
+
+    def park(self, device: str) -> None:
+        """Move the side's tensors to `device` in place (same tensor objects)."""
+        if self.tensors is None:
+            return
+        with torch.no_grad():
+            for t in self.tensors():
+                if t.device != torch.device(device):
+                    t.data = t.data.to(device)
+
+
+def interleave(a: Side, b: Side, rounds: int, steps_per_round: int, seed: int = 0,
+               sync=lambda: None, park_to: str | None = None, home: str | None = None,
+               check=lambda loss, i: None) -> None:
+    """Time `rounds` rounds of `steps_per_round` steps of each side, in a random order per
+    round; each side's mean step time per round goes to its `times`. With `park_to`, the
+    side not being timed waits there (moved back to `home` before its block, untimed)."""
+    rng = random.Random(seed)
+    for r in range(rounds):
+        order = [a, b]
+        rng.shuffle(order)
+        for side in order:
+            if park_to:
+                other = b if side is a else a
+                other.park(park_to)
+                side.park(home)
+            sync()
+            t0 = time.perf_counter()
+            for i in range(steps_per_round):
+                loss = side.step()
+            sync()
+            side.times.append((time.perf_counter() - t0) / steps_per_round)
+            check(loss, r)
+
+
+def summary(a: Side, b: Side, tokens_per_step: int, seed: int = 0) -> dict:
+    """The paired result: ratio median and interval, each side's median tokens/s."""
+    ratios = [tb / ta for ta, tb in zip(a.times, b.times)]
+    ratio, lo, hi = bootstrap_median(ratios, seed)
+    qa = statistics.quantiles(a.times, n=4) if len(a.times) > 1 else [a.times[0]] * 3
+    return {"tokens_per_s": tokens_per_step / statistics.median(a.times),
+            "baseline": b.name,
+            "baseline_tokens_per_s": tokens_per_step / statistics.median(b.times),
+            "throughput_ratio": ratio, "throughput_ratio_lo": lo, "throughput_ratio_hi": hi,
+            "step_time_median_s": statistics.median(a.times), "step_time_q1_s": qa[0],
+            "step_time_q3_s": qa[2], "round_step_times_s": a.times,
+            "baseline_round_step_times_s": b.times, "round_ratios": ratios,
+            "tokens_per_step": tokens_per_step}
