@@ -39,7 +39,8 @@ def device_info(device: str) -> dict:
     import torch
 
     if device.startswith("cuda"):
-        props = torch.cuda.get_device_properties(device)
+        index = torch.device(device).index
+        props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
         try:
             driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                     capture_output=True, text=True, check=True).stdout.split("\n")[0].strip()

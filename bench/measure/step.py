@@ -78,9 +78,11 @@ def setup(job: Job, method: Method, fake=None):
         # cache, under its own cap (or none)
         gc.collect()
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(job.device).total_memory
+        index = torch.device(job.device).index
+        index = torch.cuda.current_device() if index is None else index  # "cuda" means the current one
+        total = torch.cuda.get_device_properties(index).total_memory
         cap = job.capacity_gb * 2**30 / total if job.capacity_gb else 1.0
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap), job.device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap), index)
     torch.manual_seed(job.seed)
     # Built directly in its dtype and on its device: no copy, and it works on fake tensors.
     with fake or contextlib.nullcontext(), torch.device(job.device), default_dtype(DTYPES[job.dtype]):
