@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 
 from bench.measure import records as results
@@ -133,7 +134,8 @@ def many(argv: list[str]) -> int:
     after another (one start-up of torch for all of them); JOBS.json is a list of
     {"args": [...the arguments of one job...], "out": "result.json"}. Each result is
     written atomically as soon as its job ends, so an interrupted group keeps the results
-    it finished."""
+    it finished. CUDA jobs each run in a fresh process (the allocator's peak must start
+    from nothing)."""
     p = argparse.ArgumentParser(prog="python -m bench many", description=many.__doc__)
     p.add_argument("jobs", help="JSON list of {args, out}")
     p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
@@ -145,7 +147,14 @@ def many(argv: list[str]) -> int:
         if opts.threads:
             job.threads = opts.threads
         print(f"membench many: job {i + 1}/{len(jobs)}", file=sys.stderr, flush=True)
-        run_one(job, entry["out"])
+        if job.device.startswith("cuda"):
+            # a GPU job reads the allocator's peak: each in a fresh process, so nothing an
+            # earlier job left allocated (a method's reference cycle) is counted
+            threads = ["--threads", str(opts.threads)] if opts.threads else []
+            subprocess.run([sys.executable, "-m", "bench", *entry["args"], "--out", entry["out"],
+                            *threads], check=False)
+        else:
+            run_one(job, entry["out"])
     return 0
 
 

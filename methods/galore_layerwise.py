@@ -31,9 +31,12 @@ class LayerwiseGaLoreAdamW(GaLoreAdamW):
 
     def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
-        group_of = {id(p): group for group in self.param_groups for p in group["params"]}
+        self._group_of = {id(p): group for group in self.param_groups for p in group["params"]}
         self._release = GradientRelease([p for group in self.param_groups for p in group["params"]],
-                                        lambda p: self._update(p, group_of[id(p)]))
+                                        self._update_released)
+
+    def _update_released(self, p):
+        self._update(p, self._group_of[id(p)])
 
     def step(self, closure=None):
         return None  # every update already ran inside backward

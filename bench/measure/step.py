@@ -78,6 +78,11 @@ def setup(job: Job, method: Method, fake=None):
         # cache, under its own cap (or none)
         gc.collect()
         torch.cuda.empty_cache()
+        left = torch.cuda.memory_allocated(job.device)
+        if left:  # the measured tier reads the allocator's peak: it must start from nothing
+            raise RuntimeError(f"{left:,} bytes are still allocated on {job.device} by an earlier "
+                               f"run in this process (something kept its tensors alive); a "
+                               f"measured job needs a clean process")
         index = torch.device(job.device).index
         index = torch.cuda.current_device() if index is None else index  # "cuda" means the current one
         total = torch.cuda.get_device_properties(index).total_memory

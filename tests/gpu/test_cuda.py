@@ -64,9 +64,11 @@ def test_measured_tier_adds_up_and_the_simulation_predicts_it(tiny_job, method):
     assert m["tier"] == "measured"
     assert sum(m[f"{c}_bytes"] for c in ("param", "grad", "optimizer", "activation", "other")) \
         == m["peak_bytes"]
-    # the allocator's peak covers the tracked live bytes, and the prediction is close to it
+    # the allocator's peak covers the tracked live bytes; beyond them, only what the tracker
+    # cannot see (cuBLAS workspaces, allocated through the caching allocator: a few tens of
+    # MiB on an H100, seen as 75-81 MiB in the first run) and 512-byte rounding
     assert m["peak_bytes"] >= m["tracked_peak_bytes"]
-    assert abs(s["predicted_allocated_peak_bytes"] - m["peak_bytes"]) <= 0.10 * m["peak_bytes"]
+    assert 0 <= m["peak_bytes"] - s["predicted_allocated_peak_bytes"] <= 128 * 2**20
     for c in ("param", "grad", "optimizer"):
         assert m[f"{c}_bytes"] == pytest.approx(s[f"{c}_bytes"], rel=0.02, abs=64 * 1024), c
 
