@@ -37,8 +37,13 @@ def job_args(wildcards, output):
 
 
 def job_threads(wildcards):
-    # Timed jobs run alone, on every core: nothing else competes with the clock.
-    return workflow.cores if wildcards.kind == "throughput" else 1
+    # Timed jobs run alone, on every core: nothing else competes with the clock. Under a
+    # cluster executor the cores are those of the node the job lands on, known only inside
+    # the job (it runs with --cores all); profiles/slurm gives it that node to itself.
+    if wildcards.kind != "throughput":
+        return 1
+    cores = workflow.resource_settings.cores
+    return cores if cores and cores != sys.maxsize else 1
 
 
 rule all:
