@@ -48,6 +48,7 @@ def controller_up() -> bool:
 @pytest.fixture(scope="module")
 def slurm():
     """Skip unless SLURM answers (or, asked to, this machine's local cluster comes up)."""
+    pytest.importorskip("snakemake_executor_plugin_slurm", reason="pip install snakemake-executor-plugin-slurm")
     if controller_up():
         return
     script = REPO / "scripts" / "slurm-local.sh"
@@ -182,4 +183,21 @@ def test_cancelled_job_reruns_with_nothing_lost(slurm, workflow_copy):
     assert json.loads((workflow_copy / victim).read_text())["status"] == "ok"
     # nothing lost: the jobs that had finished are there, untouched
     assert {t: (workflow_copy / t).stat().st_mtime_ns for t in survivors} == survivors
+    assert not stray_files(workflow_copy)
+
+
+def test_job_over_its_memory_is_a_named_failure(slurm, workflow_copy):
+    """SLURM's cgroup kills a job over its --mem from outside (SIGKILL): no code of the job
+    runs after it, so there is no result row; Snakemake fails the job with SLURM's state
+    and names both logs, and leaves no file behind. (The profile retries such a job once
+    with twice the memory; --retries 0 shows the failure itself.)"""
+    target = next(p for p in planned(workflow_copy) if "/memory/" in p)
+    out = snakemake(workflow_copy, *SLURM, *PRESET, "--retries", "0",
+                    "--set-resources", "run_job:mem_mb=150", "--", target, timeout=TIMEOUT)
+    log = out.stdout + out.stderr
+    assert out.returncode != 0, log[-3000:]
+    assert "SLURM status is: 'OUT_OF_MEMORY'" in log, log[-3000:]
+    rule_log = target.replace("results/runs", "results/logs").replace(".json", ".log")
+    assert rule_log in log and ".snakemake/slurm_logs/rule_run_job/" in log
+    assert not (workflow_copy / target).exists()
     assert not stray_files(workflow_copy)
