@@ -147,7 +147,11 @@ ConstrainSwapSpace=no" && changed=1
 munge_up() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
 ctld_up() { scontrol ping 2>/dev/null | grep -q "is UP"; }
 node_state() { sinfo -h -N -o %T 2>/dev/null | head -n1; }
-pid_alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+pid_alive() {  # a pid file whose process runs (a zombie, reaped by no one, does not count)
+    [[ -s $1 ]] || return 1
+    local state; state=$(ps -o stat= -p "$(cat "$1")" 2>/dev/null) || return 1
+    [[ -n $state && $state != Z* ]]
+}
 
 start_munge() {
     munge_up && return 0

@@ -59,8 +59,8 @@ def slurm():
         pytest.skip("MEMBENCH_SLURM_SETUP=1 needs root to install and start SLURM")
     try:
         up = subprocess.run(["bash", str(script), "up"], capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        pytest.skip("scripts/slurm-local.sh up did not finish in 10 minutes")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"scripts/slurm-local.sh up did not run: {e}")
     if up.returncode != 0 or not controller_up():
         pytest.skip(f"scripts/slurm-local.sh up failed: {(up.stdout + up.stderr)[-500:]}")
 
