@@ -84,7 +84,7 @@ GPUS = {
     "v100-sxm2-16gb": GPU(
         "NVIDIA V100 SXM2 16GB", 16,
         {"fp16": 125, "fp32": 15.7, "fp64": 7.8}, 900,
-        "NVIDIA Tesla V100 datasheet (V100 SXM2 column): tensor performance 125 TFLOPS "
+        "NVIDIA Tesla V100 datasheet (V100 SXM2 column; dense, Volta has no sparsity): tensor performance 125 TFLOPS "
         "(FP16), single precision 15.7, double precision 7.8 TFLOPS; HBM2 900 GB/s",
         notes="no BF16 or TF32 tensor cores: bf16 and tf32 matmuls at the FP32 rate (assumed)"),
 }
