@@ -52,7 +52,7 @@ def figure(summary: pd.DataFrame) -> plt.Figure:
     drawn = rows.dropna(subset=["est_h100_tokens_per_s"])
     calibrated = bool(drawn["est_h100_calibrated"].fillna(0).astype(bool).all()) and len(drawn)
     label = f"estimated, {'calibrated' if calibrated else 'uncalibrated'}, {GPUS[GPU].name}"
-    title = f"Tokens/s at the largest batch that fits ({label})"
+    title = f"Tokens/s at the largest batch that fits\n({label})"
     if drawn.empty:
         fig, ax = plt.subplots(figsize=(6.4, 2.4))
         ax.set_axis_off()
@@ -98,13 +98,13 @@ def figure(summary: pd.DataFrame) -> plt.Figure:
         ax.minorticks_off()
         ax.set_yscale("log")
         ax.set_xlabel("memory size (GiB)")
-        ax.set_ylabel(f"tokens/s ({label})", fontsize=8)
+        ax.set_ylabel("tokens/s (estimated)")
         ax.set_title(f"{cell['model']} · seq {int(cell['seq_len'])} · {cell['dtype']}", fontsize=10)
     handles = [plt.Line2D([], [], color=colors[m], marker=MARKERS[i % len(MARKERS)],
                           linestyle=LINESTYLES[i % len(LINESTYLES)], label=m)
                for i, m in enumerate(methods)]
-    fig.tight_layout(rect=(0, 0.12 if nrows == 1 else 0.06, 1, 0.93))
-    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.12 if nrows == 1 else 0.06, 1, 0.84 if nrows == 1 else 0.92))
+    fig.suptitle(title, fontsize=11, y=0.99)
     fig.legend(handles=handles, loc="lower center", ncol=min(len(methods), 5), frameon=False,
                fontsize=9, bbox_to_anchor=(0.5, 0.03 if nrows == 1 else 0.015))
     note = ("Each point: the capacity search's largest batch at that memory size, times the "

@@ -135,3 +135,33 @@ def test_summary_has_cost_and_estimated_columns():
     assert row["est_h100_step_time_s"] == seconds and row["est_h100_tokens_per_s"] == 4096 / seconds
     assert set(row) <= set(aggregate.SUMMARY_COLUMNS)
     assert all(v is None for v in aggregate.cost_columns(None, 4096).values())
+
+
+def test_throughput_at_capacity_figure_draws_a_line_per_method(tmp_path):
+    from bench.report import fig_throughput_capacity as fig_module
+    from bench.report.tables import read_summary
+
+    ops = [["forward", "mm", "float32", 10 ** 9, 10 ** 6, 4]]
+    rows = []
+    for method in ("adamw", "checkpointing"):
+        for gb, batch in ((16, 2), (24, 0), (80, 9)):
+            job = {"kind": "capacity", "method": method, "model": "gpt2-tiny", "batch_size": 64,
+                   "seq_len": 128, "dtype": "float32", "device": "cpu", "task": "markov",
+                   "seed": 0, "steps": 1}
+            record = {"job": job, "status": "ok", "capacity": {"tier": "simulated", "sizes": [
+                {"memory_gb": gb, "largest_batch": batch, "at_max_batch": False,
+                 "needed_bytes_at_largest": 1, "cost_at_largest": {"per_op": ops} if batch else None}]}}
+            rows += aggregate.summary_rows(record, "x.json")
+    import pandas as pd
+
+    path = tmp_path / "summary.csv"
+    pd.DataFrame(rows, columns=aggregate.SUMMARY_COLUMNS).to_csv(path, index=False)
+    summary = read_summary(path)
+    table = fig_module.table(summary)
+    big = table[(table.method == "adamw") & (table.capacity_gb == 80)]
+    assert big["est_h100_tokens_per_s"].item() == pytest.approx(9 * 128 / estimate.estimate(ops, "h100-sxm-80gb"))
+    assert table.loc[table.largest_batch == 0, "est_h100_tokens_per_s"].eq(0).all()
+    figure = fig_module.figure(summary)
+    assert len(figure.axes[0].get_lines()) == 2 and "uncalibrated" in figure._suptitle.get_text()
+    written = fig_module.throughput_at_capacity(path, tmp_path / "fig")
+    assert all(p.stat().st_size > 5000 for p in written)
