@@ -78,7 +78,7 @@ def test_checkpointing_adds_the_recomputed_forward():
     recomputation is each block's forward up to the last saved tensor: non-reentrant
     checkpointing stops recomputing early, so the block's last matmul (LLaMA's down_proj),
     whose output backward does not need, is not rerun; nor are the embedding and LM head,
-    outside the blocks. So the extra is less than "one forward" (70% of it here). The
+    outside the blocks. So the extra is less than "one forward" (72% of it here). The
     reference counts come from torch's FlopCounterMode on the model's forward."""
     from bench import models
 
