@@ -30,6 +30,7 @@ from dataclasses import replace
 
 from bench import data, models
 from bench.measure import allocator, kinds, step
+from bench.measure.cost import StepCost
 from bench.measure.tracker import MemoryTracker, cuda_kernels
 from bench.method import load
 from bench.job import Job
@@ -52,7 +53,8 @@ def search(job: Job, memory_gb: list[float], max_batch: int, unit: int) -> dict:
               f"so far", file=sys.stderr, flush=True)
         record = oracle.records.get(best) or oracle.capped.get((best, capacity))
         sizes.append({"memory_gb": gb, "largest_batch": best, "at_max_batch": k == max_batch // unit,
-                      "needed_bytes_at_largest": oracle.need_of(record) if record else None})
+                      "needed_bytes_at_largest": oracle.need_of(record) if record else None,
+                      "cost_at_largest": (record or {}).get("cost")})
     return {"tier": oracle.tier, "unit": unit, "max_batch": max_batch,
             "context_bytes": allocator.CUDA_CONTEXT_BYTES if oracle.simulated else 0,
             "sizes": sizes, "runs": oracle.runs, "error": oracle.error}
@@ -237,14 +239,17 @@ class _Simulation:
             if self.method.plans_per_shape:  # this shape's planning step first
                 self.method.train_step(self.model, self.optimizer, batch)
             self.tracker.reset_peak()
-            self.method.train_step(self.model, self.optimizer, batch)
+            with StepCost() as cost:
+                self.method.train_step(self.model, self.optimizer, batch)
             self.tracker.label(self.method.state_tensors(self.optimizer), "optimizer")
             del batch
+        cost.add_periodic(self.optimizer)
         trace += self.events[mark:]
         del self.events[mark:]
         split = self.tracker.peak_split.as_row()
         memory = {"tier": "simulated", **split, **step.predict_gpu(trace, None)}
-        return {"status": "ok", "message": None, "memory": memory, "n_params": self.n_params}, trace
+        return {"status": "ok", "message": None, "memory": memory, "n_params": self.n_params,
+                "cost": cost.result()}, trace
 
 
 class _Oracle:

@@ -17,6 +17,7 @@ from bench.job import Job
 from bench.measure import step, timing
 from bench.measure.step import Diverged, checked, predict_gpu
 from bench.measure.allocator import MIN_BLOCK
+from bench.measure.cost import StepCost
 from bench.measure.tracker import CapacityExceeded, MemoryTracker, cuda_kernels, cuda_peak
 from bench.method import Method, load
 
@@ -82,13 +83,16 @@ def _memory(job: Job, method: Method, model, stream, fake=None) -> dict:
         del loss  # the measured step starts from the persistent state and its own batch
         batch = take_batch()
         tracker.reset_peak()
-        if cuda:
-            with cuda_peak() as stats:
+        with StepCost() as cost:  # the measured step's FLOPs, bytes and ops (bench.measure.cost)
+            if cuda:
+                with cuda_peak() as stats:
+                    loss = method.train_step(model, optimizer, batch)
+            else:
                 loss = method.train_step(model, optimizer, batch)
-        else:
-            loss = method.train_step(model, optimizer, batch)
         tracker.label(method.state_tensors(optimizer), "optimizer")
         out["loss"] = check(loss, 1)
+    cost.add_periodic(optimizer)
+    out["cost"] = cost.result()
     split = tracker.peak_split.as_row()
     tier = "tracked" if fake is None else "simulated"
     out["memory"] = {"tier": tier, **split, "tracked_peak_bytes": split["peak_bytes"]}

@@ -4,12 +4,14 @@ documents every column."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+from bench import estimate
 from bench.measure import records as results
 from bench.models import family
 
@@ -20,7 +22,9 @@ SUMMARY_COLUMNS = [
     "reserved_peak_bytes", "alloc_retries", "tokens_per_s", "baseline", "baseline_tokens_per_s",
     "throughput_ratio", "throughput_ratio_lo", "throughput_ratio_hi", "step_time_median_s",
     "step_time_q1_s", "step_time_q3_s", "largest_batch", "at_max_batch", "largest_model",
-    "at_ladder_top", "task", "steps",
+    "at_ladder_top", "flops", "bytes_moved", "ops", "flops_forward", "flops_backward",
+    "flops_optimizer", "est_h100_step_time_s", "est_h100_tokens_per_s", "est_h100_calibrated",
+    "task", "steps",
     "final_loss", "loss_floor", "status",
     "message", "seed", "commit", "torch_version", "date", "wall_time_s", "hparams", "result_file",
 ]
@@ -47,6 +51,7 @@ def summary_row(record: dict, path: str) -> dict:
                                    "throughput_ratio", "throughput_ratio_lo",
                                    "throughput_ratio_hi", "step_time_median_s",
                                    "step_time_q1_s", "step_time_q3_s")},
+        **cost_columns(record.get("cost"), job["batch_size"] * job["seq_len"]),
         "task": job["task"], "steps": job["steps"] if job["kind"] in ("throughput", "convergence") else None,
         "final_loss": record.get("final_loss"), "loss_floor": record.get("loss_floor"),
         "status": record["status"], "message": record.get("message"), "seed": job["seed"],
@@ -54,6 +59,23 @@ def summary_row(record: dict, path: str) -> dict:
         "date": prov.get("date"), "wall_time_s": record.get("wall_time_s"),
         "hparams": json.dumps(hp, sort_keys=True), "result_file": path,
     }
+
+
+def cost_columns(cost: dict | None, tokens: int) -> dict:
+    """The step's compute cost (bench.measure.cost) and its estimated step time and tokens/s
+    on an H100 SXM 80GB (`bench.estimate`; uncalibrated unless results/reference/
+    gpu_efficiency.json has that GPU: `est_h100_calibrated`)."""
+    cost = cost or {}
+    phases = cost.get("phases", {})
+    return {"flops": cost.get("flops"), "bytes_moved": cost.get("bytes_moved"), "ops": cost.get("ops"),
+            **{f"flops_{p}": phases.get(p, {}).get("flops") if cost else None
+               for p in ("forward", "backward", "optimizer")},
+            **estimate.estimate_row(cost, tokens, "h100-sxm-80gb", _calibration(), prefix="est_h100")}
+
+
+@functools.cache
+def _calibration() -> dict:
+    return estimate.load_calibration()
 
 
 def summary_rows(record: dict, path: str) -> list[dict]:
@@ -69,7 +91,10 @@ def summary_rows(record: dict, path: str) -> list[dict]:
     answer = ("largest_batch", "at_max_batch") if record["job"]["kind"] == "capacity" else (
         "largest_model", "n_params", "at_ladder_top")
     return [{**row, "capacity_gb": size["memory_gb"], **{k: size[k] for k in answer},
-             "peak_bytes": size["needed_bytes_at_largest"]} for size in found["sizes"]] or [row]
+             "peak_bytes": size["needed_bytes_at_largest"],
+             **cost_columns(size.get("cost_at_largest"),
+                            size.get("largest_batch", 0) * record["job"]["seq_len"])}
+            for size in found["sizes"]] or [row]
 
 
 def curve_rows(record: dict) -> list[dict]:

@@ -30,6 +30,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from bench.measure.records import atomic_path  # noqa: E402
+from bench.report import fig_throughput_capacity  # noqa: E402
 from bench.report.tables import (BASELINE, CATEGORIES,  # noqa: E402
                           CONVERGENCE_CELL, MEMORY_CELL, THROUGHPUT_CELL, capacity_table,
                           convergence_table, largest_model_table, memory_table, method_order,
@@ -37,7 +38,7 @@ from bench.report.tables import (BASELINE, CATEGORIES,  # noqa: E402
                           status_text, throughput_table)
 
 FIGURES = ["overview", "memory_breakdown", "throughput_relative", "convergence",
-           "capacity_batch", "capacity_model"]
+           "capacity_batch", "capacity_model", "throughput_capacity"]
 
 DPI = 150
 SMOOTH_POINTS = 50          # curves longer than this get a rolling mean over len // this steps
@@ -738,6 +739,7 @@ def builders(summary: pd.DataFrame, curves: pd.DataFrame) -> dict:
         "convergence": lambda: figure_convergence(summary, curves),
         "capacity_batch": lambda: figure_capacity_batch(summary),
         "capacity_model": lambda: figure_capacity_model(summary),
+        "throughput_capacity": lambda: fig_throughput_capacity.figure(summary),
     }
     assert list(table) == FIGURES
     return table
@@ -753,7 +755,8 @@ def main(argv=None) -> int:
                "final-loss gap; memory_breakdown: peak MiB by category; throughput_relative: "
                f"tokens/s vs {BASELINE}; convergence: loss vs optimizer step with the loss floor; "
                "capacity_batch: largest batch per GPU memory size; capacity_model: largest "
-               "model of each family that trains at a batch, per memory size.")
+               "model of each family that trains at a batch, per memory size; throughput_capacity: "
+               "estimated tokens/s on an H100 (uncalibrated) at the largest batch that fits.")
     p.add_argument("--summary", required=True, help="summary.csv from bench.report.aggregate")
     p.add_argument("--curves", help="curves.csv from bench.report.aggregate (optional; without it "
                                     "the convergence figure lists jobs but draws no curves)")

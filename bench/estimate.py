@@ -1,0 +1,236 @@
+"""Estimated step time on named GPUs, from a step's exact cost: the `estimated` tier of
+throughput. Uncalibrated until fitted to measured GPU rows; every number it gives is
+labelled so.
+
+The model (a roofline per operator, summed): an operator with F FLOPs in dtype d that
+moves B bytes takes
+
+    max(F / peak_d, B / bandwidth) + launch
+
+seconds on a GPU with those spec-sheet figures, and a step is the sum over its operators
+(`bench.measure.cost.StepCost.per_op`: one kernel per aten operator, run one after
+another, as in eager mode). peak_d is the dense (not 2:4 sparse) tensor-core rate for
+bf16 / fp16 matmuls, the plain FP32 rate for float32 (PyTorch's default: TF32 off for
+matmuls; `tf32=True` uses the TF32 tensor-core rate), FP64 for float64. `launch` is a
+per-operator overhead (kernel launch and eager dispatch), a guess of 5 microseconds until
+calibrated.
+
+Calibration: with measured step times of the same jobs on a GPU, `fit_efficiency` finds by
+non-negative least squares the factors of
+
+    measured = C / e_compute + M / e_memory + N x launch_s
+
+where C is the summed time of the operators the roofline calls compute-bound (at peak), M
+that of the bandwidth-bound ones, N the operator count; e_compute and e_memory are the
+fractions of the spec-sheet rates reached, launch_s the per-operator overhead.
+`estimate(..., efficiency=fit)` then gives C / e_compute + M / e_memory + N x launch_s.
+
+Known blind spots (say them wherever an estimate is shown): no overlap of operators (CUDA
+streams, NCCL), no fusion (torch.compile, fused optimizers count as their aten ops, a
+foreach op as one launch), the same efficiency for every matmul shape (small matmuls reach
+far less than peak), attention kernels counted by their FLOPs only, host-side stalls (a
+`.item()`, data loading, the Python of a method's own step) not seen at all, CPU-only
+kernels of the CPU run standing for the CUDA ones (e.g. the CPU's fused attention for
+flash attention), and the bytes rule of `bench.measure.cost` (tensor sizes, no cache
+reuse).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REFERENCE = Path(__file__).resolve().parent.parent / "results" / "reference" / "gpu_efficiency.json"
+LAUNCH_S = 5e-6  # per-operator overhead until calibrated (a guess, not a measurement)
+DEFAULT_GPU = "h100-sxm-80gb"
+LABEL = "estimated, uncalibrated"
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gb: float
+    tflops: dict  # dtype class -> dense peak TFLOP/s ("bf16", "fp16", "tf32", "fp32", "fp64")
+    bandwidth_gbs: float  # memory bandwidth, GB/s (10^9 bytes per second)
+    source: str
+    notes: str = ""
+    launch_s: float = LAUNCH_S
+
+
+# Spec-sheet figures, dense (the sheets' "with sparsity" figures are twice these).
+GPUS = {
+    "h100-sxm-80gb": GPU(
+        "NVIDIA H100 SXM 80GB", 80,
+        {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67, "fp64": 34}, 3350,
+        "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column): BF16/FP16 tensor core "
+        "1,979 TFLOPS and TF32 989 TFLOPS with sparsity, halved for dense; FP32 67, "
+        "FP64 34 TFLOPS; HBM3 3.35 TB/s"),
+    "a100-sxm-80gb": GPU(
+        "NVIDIA A100 SXM 80GB", 80,
+        {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5, "fp64": 9.7}, 2039,
+        "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column): BF16/FP16 tensor core "
+        "312 TFLOPS, TF32 156 TFLOPS (dense; 624 / 312 with sparsity), FP32 19.5, "
+        "FP64 9.7 TFLOPS; HBM2e 2,039 GB/s"),
+    "rtx4090-24gb": GPU(
+        "NVIDIA GeForce RTX 4090 24GB", 24,
+        {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6, "fp64": 1.29}, 1008,
+        "NVIDIA Ada Lovelace GPU architecture whitepaper, appendix table for the RTX 4090: "
+        "FP16/BF16 tensor TFLOPS with FP32 accumulate 165.2 dense (330.4 sparse), TF32 "
+        "82.6 dense, FP32 82.6 TFLOPS (FP64 1/64 of it); GDDR6X 1,008 GB/s",
+        notes="GeForce: half-rate FP16/BF16 tensor math with the FP32 accumulate PyTorch uses"),
+    "v100-sxm2-16gb": GPU(
+        "NVIDIA V100 SXM2 16GB", 16,
+        {"fp16": 125, "fp32": 15.7, "fp64": 7.8}, 900,
+        "NVIDIA Tesla V100 datasheet (V100 SXM2 column; dense, Volta has no sparsity): tensor performance 125 TFLOPS "
+        "(FP16), single precision 15.7, double precision 7.8 TFLOPS; HBM2 900 GB/s",
+        notes="no BF16 or TF32 tensor cores: bf16 and tf32 matmuls at the FP32 rate (assumed)"),
+}
+
+_DTYPE_CLASS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def peak_flops(gpu: GPU, dtype: str, tf32: bool = False) -> float:
+    """FLOP/s of a matmul-class operator in `dtype` ("bfloat16", "float32", ...)."""
+    cls = _DTYPE_CLASS.get(dtype, "fp32")
+    if cls == "fp32" and tf32:
+        cls = "tf32"
+    return gpu.tflops.get(cls, gpu.tflops["fp32"]) * 1e12
+
+
+def components(per_op, gpu: GPU | str, tf32: bool = False) -> dict:
+    """The roofline's parts of a step: `compute_s` (the compute-bound operators' FLOPs at
+    peak), `memory_s` (the bandwidth-bound ones' bytes at full bandwidth), `launches`
+    (operators). `per_op`: rows [phase, op, dtype, flops, bytes, calls] (StepCost)."""
+    gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
+    compute = memory = launches = 0.0
+    bandwidth = gpu.bandwidth_gbs * 1e9
+    for _phase, _op, dtype, flops, moved, calls in per_op:
+        c = flops / peak_flops(gpu, dtype, tf32) if flops else 0.0
+        m = moved / bandwidth
+        if c > m:
+            compute += c * calls
+        else:
+            memory += m * calls
+        launches += calls
+    return {"compute_s": compute, "memory_s": memory, "launches": launches}
+
+
+def estimate(per_op, gpu: GPU | str, efficiency: dict | None = None, tf32: bool = False) -> float:
+    """Seconds per step on `gpu`: the sum over operators of max(F / peak, B / bandwidth)
+    plus the launch overhead (uncalibrated), or with `efficiency` (`fit_efficiency`'s
+    `compute`, `memory`, `launch_s`) the calibrated model (module docstring)."""
+    gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
+    eff = {"compute": 1.0, "memory": 1.0, "launch_s": gpu.launch_s, **(efficiency or {})}
+    parts = components(per_op, gpu, tf32)
+    return (parts["compute_s"] / eff["compute"] + parts["memory_s"] / eff["memory"]
+            + parts["launches"] * eff["launch_s"])
+
+
+def fit_efficiency(samples, gpu: GPU | str, tf32: bool = False) -> dict:
+    """Efficiency factors of `gpu` from measured steps: `samples` is a list of (per_op,
+    measured seconds per step). Non-negative least squares of measured = a C + b M + c N
+    (every subset of the three terms solved exactly, the best non-negative one kept);
+    e_compute = 1 / a, e_memory = 1 / b (None where a term was fitted as 0: not
+    identifiable from these samples), launch_s = c. Also the fit's residuals."""
+    import numpy as np
+
+    gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
+    parts = [components(per_op, gpu, tf32) for per_op, _ in samples]
+    x = np.array([[p["compute_s"], p["memory_s"], p["launches"]] for p in parts], dtype=np.float64)
+    y = np.array([t for _, t in samples], dtype=np.float64)
+    scale = np.where(x.max(axis=0) > 0, x.max(axis=0), 1.0)  # columns of like size
+    best = None
+    for k in (3, 2, 1):
+        for cols in itertools.combinations(range(3), k):
+            sol, *_ = np.linalg.lstsq(x[:, cols] / scale[list(cols)], y, rcond=None)
+            if (sol < 0).any():
+                continue
+            coef = np.zeros(3)
+            coef[list(cols)] = sol / scale[list(cols)]
+            err = float(np.sum((x @ coef - y) ** 2))
+            if best is None or err < best[1] * (1 - 1e-12):
+                best = (coef, err)
+    if best is None:
+        raise ValueError("no non-negative fit")
+    (a, b, c), err = best
+    predicted = x @ best[0]
+    return {"gpu": gpu.name, "compute": 1 / a if a > 0 else None,
+            "memory": 1 / b if b > 0 else None, "launch_s": float(c),
+            "n_samples": len(samples), "rms_residual_s": float(np.sqrt(err / len(samples))),
+            "max_relative_error": float(np.max(np.abs(predicted - y) / y)), "tf32": tf32}
+
+
+def _usable(fit: dict) -> dict:
+    """A fit's efficiency for `estimate` (an unidentified term keeps its spec-sheet rate)."""
+    return {k: fit[k] for k in ("compute", "memory", "launch_s") if fit.get(k) is not None}
+
+
+def load_calibration(path: str | Path = REFERENCE) -> dict:
+    """GPU key -> fitted efficiency (with provenance), from the reference JSON if any."""
+    path = Path(path)
+    return json.loads(path.read_text()).get("gpus", {}) if path.exists() else {}
+
+
+def estimate_row(cost: dict | None, tokens: int, gpu: str = DEFAULT_GPU,
+                 calibration: dict | None = None, prefix: str = "est") -> dict:
+    """`<prefix>_step_time_s`, `<prefix>_tokens_per_s` and `<prefix>_calibrated` (whether
+    `calibration` had `gpu`) of a step of `tokens` tokens with this cost on `gpu`."""
+    keys = [f"{prefix}_step_time_s", f"{prefix}_tokens_per_s", f"{prefix}_calibrated"]
+    if not cost or not cost.get("per_op") or not tokens:
+        return dict.fromkeys(keys)
+    fit = (calibration or {}).get(gpu)
+    seconds = estimate(cost["per_op"], gpu, _usable(fit) if fit else None)
+    return dict(zip(keys, (seconds, tokens / seconds, bool(fit))))
+
+
+# -- calibration from result files ---------------------------------------------------------
+def _job_key(record: dict) -> tuple:
+    job = record["job"]
+    return (job["method"], job["model"], job["batch_size"], job["seq_len"], job["dtype"],
+            json.dumps(record.get("hparams", {}), sort_keys=True))
+
+
+def samples_from_records(records: list[dict], device_contains: str) -> list[tuple]:
+    """(per_op, measured median step time) for every throughput job run on a device whose
+    name contains `device_contains` that has a memory job of the same method, model,
+    batch, sequence length, dtype and hyperparameters with a cost (any tier: the cost is
+    the same)."""
+    costs = {_job_key(r): r["cost"]["per_op"] for r in records
+             if r["job"]["kind"] == "memory" and r.get("status") == "ok" and r.get("cost")}
+    return [(costs[_job_key(r)], r["throughput"]["step_time_median_s"]) for r in records
+            if r["job"]["kind"] == "throughput" and r.get("status") == "ok"
+            and device_contains.lower() in (r.get("provenance", {}).get("device_name") or "").lower()
+            and _job_key(r) in costs]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.estimate", description=(
+        "Fit a GPU's efficiency factors (estimated step time vs measured) from result JSON "
+        "files holding throughput jobs on that GPU and memory jobs (with costs) of the same jobs."))
+    p.add_argument("results", nargs="+")
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS))
+    p.add_argument("--device-contains", required=True, help="e.g. H100: which throughput rows")
+    p.add_argument("--out", default=str(REFERENCE))
+    args = p.parse_args(argv)
+    from bench.measure import records as results
+
+    samples = samples_from_records([results.read(f) for f in args.results], args.device_contains)
+    if len(samples) < 3:
+        print(f"estimate: {len(samples)} matched jobs; at least 3 are needed", file=sys.stderr)
+        return 1
+    fit = fit_efficiency(samples, args.gpu)
+    fit["fitted_from"] = sorted(args.results)
+    out = Path(args.out)
+    table = json.loads(out.read_text()) if out.exists() else {"gpus": {}}
+    table["gpus"][args.gpu] = fit
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"estimate: {args.gpu} fitted on {len(samples)} jobs: {fit}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
