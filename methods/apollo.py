@@ -152,10 +152,10 @@ class APOLLOAdamW(PerParameterOptimizer):
         state["step"] = t
         step_size = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
         denom = v.sqrt().add_(group["eps"])
+        normalized = m / denom  # then p.add_, as the authors' code (not addcdiv: the same rounding)
         if not projected:
-            p.addcdiv_(m, denom, value=-step_size)
+            p.add_(normalized, alpha=-step_size)
         else:
-            normalized = m / denom
             if group["scale_type"] == "channel":
                 dim = 1 if right else 0  # the projected (rank) side
                 s = normalized.norm(dim=dim) / (r.norm(dim=dim) + 1e-8)
