@@ -56,6 +56,11 @@ def state_elements(shape) -> int:
     return math.prod(shape)
 
 
+def _wide(scalar: torch.Tensor) -> torch.Tensor:
+    """A half-precision 0-d result in float32 (torch reads these into Python floats)."""
+    return scalar.float() if scalar.dtype in (torch.float16, torch.bfloat16) else scalar
+
+
 class ValueFreeAdafactor(torch.optim.Adafactor):
     """torch.optim.Adafactor whose step reads no tensor value (see the module docstring).
     Same constructor; `foreach` and `maximize` are not supported."""
@@ -95,7 +100,7 @@ class ValueFreeAdafactor(torch.optim.Adafactor):
                 e1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
                 one_minus_beta2 = t ** group["beta2_decay"]
                 rho = min(lr, 1 / t ** 0.5)
-                alpha = (p.norm() / math.sqrt(p.numel())).clamp_(min=eps2).mul_(rho)
+                alpha = (_wide(p.norm()) / math.sqrt(p.numel())).clamp_(min=eps2).mul_(rho)
                 if wd != 0:
                     p.mul_(1 - lr * wd)
                 if grad.dim() > 1:
@@ -110,7 +115,7 @@ class ValueFreeAdafactor(torch.optim.Adafactor):
                     state["variance"].lerp_(grad * grad, one_minus_beta2)
                     var = state["variance"].clone()
                 update = var.clamp_(min=e1 * e1).rsqrt_().mul_(grad)
-                clip = (update.norm() / (math.sqrt(update.numel()) * d)).clamp_(min=1.0)
+                clip = (_wide(update.norm()) / (math.sqrt(update.numel()) * d)).clamp_(min=1.0)
                 update.mul_(alpha.div_(clip))
                 p.sub_(update)
         return loss

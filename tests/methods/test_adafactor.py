@@ -44,7 +44,7 @@ def run(optimizer_cls, w0, grads, **kw):
     return out
 
 
-@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-13), (torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
 @pytest.mark.parametrize("kw", [{}, {"weight_decay": 0.1, "lr": 0.05}, {"eps": (1e-6, 1e-2), "d": 2.0}])
 def test_update_equals_torch_adafactor(dtype, rtol, kw):
     w0, grads = tensors(dtype)
@@ -52,7 +52,10 @@ def test_update_equals_torch_adafactor(dtype, rtol, kw):
     theirs = run(torch.optim.Adafactor, w0, grads, **kw)
     for step, (a, b) in enumerate(zip(ours, theirs)):
         for x, y in zip(a, b):
-            torch.testing.assert_close(x, y, rtol=rtol, atol=rtol * 1e-2, msg=f"step {step}")
+            # bfloat16: torch adds the update with a Python-float step size, ours scales
+            # the bfloat16 update first: a rounding or two apart
+            atol = rtol if dtype == torch.bfloat16 else rtol * 1e-2
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=f"step {step}")
     assert max((x - w).abs().max() for x, w in zip(ours[-1], w0)) > 1e-2
 
 
