@@ -59,6 +59,21 @@ def _subclasses():
     return OptimState8bit, OptimState4bit, OptimStateFp8
 
 
+def _build_code_maps() -> None:
+    """Build torchao's 8-bit and 4-bit code maps (constants, cached by torchao) on real
+    tensors: torchao makes them with `.tolist()`, which fake tensors cannot answer, so
+    built first inside a simulated step they would fail it (and built by an earlier real
+    run in the same process they would not: a run's outcome must not depend on that)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from torchao.optim import subclass_4bit, subclass_8bit
+
+    with _disable_current_modes():
+        for module in (subclass_8bit, subclass_4bit):
+            module.get_qmap_signed()
+            module.get_qmap_unsigned()
+
+
 def inner_tensors(value) -> list[torch.Tensor]:
     """The tensors that hold a (possibly subclass) tensor's memory."""
     if not isinstance(value, torch.Tensor):
@@ -160,6 +175,7 @@ class TorchaoAdamW(Method):
 
     def make_optimizer(self, model):
         optim = require_package("torchao.optim", PIP, self.name)
+        _build_code_maps()
         hp = self.hp
         inner = getattr(optim, self.optimizer_name)(
             model.parameters(), **self.adam_args, block_size=hp["block_size"],

@@ -168,3 +168,18 @@ def test_second_step_is_adamw_from_the_dequantised_moments(method):
     for p, w, (m, v), g in zip(model.parameters(), before, moments, grads):
         expected = adamw_step(w, m, v, g, 2)
         torch.testing.assert_close(p.double() - w, expected - w, rtol=1e-4, atol=1e-7)  # float32 weights
+
+
+@pytest.mark.parametrize("method", ["torchao_adamw8bit", "torchao_adamw4bit"])
+def test_simulates_in_a_fresh_process(tiny_job, method):
+    """torchao builds its code maps with `.tolist()` on first use; on fake tensors that
+    fails unless the method builds them on real tensors first (a fresh process, e.g.
+    `python -m bench --simulate`, has no cached maps). Equality with the real run:
+    tests/methods/test_simulated.py."""
+    from torchao.optim import subclass_4bit, subclass_8bit
+
+    for module in (subclass_8bit, subclass_4bit):
+        module.get_qmap_signed.cache_clear()
+        module.get_qmap_unsigned.cache_clear()
+    fake = runner.run(tiny_job(method=method, model="llama-tiny", simulate=True))
+    assert fake["status"] == "ok", fake.get("message")
