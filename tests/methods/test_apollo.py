@@ -151,7 +151,7 @@ def test_apollo_torch_cannot_simulate(tiny_job):
 
 # -- memory -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method, rank", [("apollo", 16), ("apollo_mini", 1)])
+@pytest.mark.parametrize("method, rank", [("apollo", 16), ("apollo_mini", 1), ("apollo_layerwise", 16)])
 def test_optimizer_bytes_equal_the_formula(method, rank):
     job = Job(kind="memory", method=method, model="llama-tiny", batch_size=4, seq_len=32,
               hparams={"rank": rank})
@@ -162,6 +162,8 @@ def test_optimizer_bytes_equal_the_formula(method, rank):
     elements = (sum(state_elements(p.shape, rank) for p in projected)
                 + sum(state_elements(p.shape, None) for p in rest))
     assert record["memory"]["optimizer_bytes"] == 4 * elements
+    if method == "apollo_layerwise":
+        assert record["memory"]["grad_bytes"] == 0  # no gradient alive at the peak
     fake = runner.run(Job(**{**job.__dict__, "simulate": True}))
     assert fake["status"] == "ok", fake.get("message")
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "peak_bytes"):
@@ -182,3 +184,31 @@ def test_paper_defaults_and_validation():
         load("apollo", {"scale_type": "row"}).make_optimizer(build())
     with pytest.raises(MethodError, match="rank must be a positive integer"):
         load("apollo", {"rank": 0}).make_optimizer(build())
+
+
+# -- the per-layer variant -------------------------------------------------------------------
+
+@pytest.mark.parametrize("hp", [HP, {"rank": 1, "scale": 128.0, "scale_type": "tensor"}])
+def test_layerwise_equals_apollo_and_releases_gradients(hp):
+    models_, seen = [], []
+    for method in ("apollo", "apollo_layerwise"):
+        model = build()
+        m = load(method, {**hp, "update_proj_gap": 2})
+        opt = m.make_optimizer(model)
+        if method == "apollo_layerwise":  # registered after the optimizer's hooks: run after them
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is not None))
+        for s in range(3):
+            m.train_step(model, opt, lm_batch(4, 16, seed=s))
+        models_.append(model)
+    for p, q in zip(*(m.parameters() for m in models_)):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert seen and not any(seen)
+    assert all(p.grad is None for p in models_[1].parameters())
+
+
+def test_layerwise_refuses_micro_batches(tiny_job):
+    with pytest.raises(MethodError, match="micro_batches=2 is not supported"):
+        load("apollo_layerwise", {"micro_batches": 2}).make_optimizer(build())
+    record = runner.run(tiny_job(method="apollo_layerwise", hparams={"micro_batches": 2}))
+    assert record["status"] == "error" and "micro_batches=2" in record["message"]
