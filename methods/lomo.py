@@ -19,16 +19,17 @@ rounded back) and decoupled weight decay `p <- p (1 - lr wd)` comes first.
 
 Gradient clipping. `clip_grad_value` clamps each element (free: it needs one gradient).
 `clip_grad_norm` (global norm, the authors' configs use 1.0) needs every gradient's norm
-before the first update, so, as the paper does (Sec. 3.3), the step runs backward twice:
+before the first update, so, as the paper does, the step runs backward twice:
 a first pass with `retain_graph=True` that only sums the squared norms of the released
 gradients, then the update pass with every gradient scaled by
 min(1, clip_grad_norm / (||g|| + 1e-6)). The cost: one more backward (about 1 + 2 + 2 = 5
-forward-units of compute per step instead of 3, i.e. ~1.7x the step time), and the
+forward-units of compute per step instead of 3: ~1.7x the step time, an estimate from
+operation counts, not a measurement), and the
 activations saved for backward stay alive until the second pass ends (a single backward
 frees them as it goes), so the peak is held over both passes; the gradients are still
 released one at a time in both passes. Default None: the method's memory row is LOMO's
-own; `lomo@clip_grad_norm=1.0` is the authors' setting (NOTES-optim-b.md has both
-measured).
+own; `lomo@clip_grad_norm=1.0` is the authors' setting (both measured side by side in
+the memory profile).
 
 Left out: the fp16 dynamic loss scaler of `lomo-optim` (the suite trains in float32 or
 bfloat16, where scaling the loss by a power of two changes no gradient), and DeepSpeed

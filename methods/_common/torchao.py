@@ -91,7 +91,7 @@ def _tracker_counts_inner_tensors():
     tensors. Without this, the tracker reads a wrapper's `untyped_storage()`, which
     reports numel x the appearance dtype's size although it holds no memory: phantom
     bytes (8 per parameter for the two states alone, more for the step's temporary
-    `.float()` views). NOTES-optim-b.md proposes the same rule inside the tracker."""
+    `.float()` views). The tracker could apply the same rule itself; then this is a no-op."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     from bench.measure.tracker import MemoryTracker
