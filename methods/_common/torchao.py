@@ -26,7 +26,9 @@ also has a float32 step tensor (4 bytes) and each group a float32 lr tensor.
 
 How the suite sees them. The subclasses are wrapper tensors without storage of their
 own: `state_tensors` returns their inner tensors (codes, scales, maps), which the
-tracker counts exactly. The tracker (a TorchDispatchMode) sees an op on a subclass (a
+tracker counts exactly, and during the step the tracker counts any wrapper an op
+returns by its inner tensors too (`_tracker_counts_inner_tensors`: a wrapper's
+`untyped_storage()` claims numel x 4 bytes it does not hold). The tracker (a TorchDispatchMode) sees an op on a subclass (a
 `lerp`, a `copy_`) before the subclass handles it; the temporaries the subclass makes
 inside (dequantised values, index tensors of the quantiser) are made with the mode off
 the stack, so `step` re-enters the active modes inside the subclasses' handlers
@@ -38,7 +40,9 @@ step runs eagerly (`torch.compiler.set_stance("force_eager")`), which is torchao
 math op by op, with more temporaries than the compiled (fused) kernel; `method_report`
 says which ran. Throughput and convergence jobs compile as torchao ships (the first step
 at each new shape pays the compilation: tens of seconds on a 2-core CPU); `compile=False`
-runs eagerly everywhere. No value is read in the step, so it runs on fake tensors.
+runs eagerly everywhere. No value is read in the step, so it runs on fake tensors,
+once torchao's constant code maps (built with `.tolist()` on first use) exist: the method
+builds them on real tensors before the step (`_build_code_maps`).
 """
 from __future__ import annotations
 
