@@ -140,9 +140,10 @@ def _block_mean_sq(g: torch.Tensor, kind: str, head: int) -> torch.Tensor:
 
 
 class AdamMiniOptimizer(PerParameterOptimizer):
-    """Adam-mini over parameter groups whose every parameter has `kind` and `head`
-    entries in `self.layout` (built by `from_model`); state `exp_avg` (full),
-    `exp_avg_sq` (one value per block, see `_v_shape`), `step` (a Python int)."""
+    """Adam-mini over the entries of `partition(model)` (each parameter with its `kind`
+    and head width); two groups: weights (>= 2-D, weight decay) and the rest (none).
+    State `exp_avg` (full), `exp_avg_sq` (one value per block, see `_v_shape`), `step`
+    (a Python int)."""
 
     def __init__(self, entries: list[dict], lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0):

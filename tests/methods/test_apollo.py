@@ -142,6 +142,14 @@ def test_trajectory_equals_apollo_torch(monkeypatch, method, gap):
     assert moved > 3e-2
 
 
+def test_apollo_torch_missing_is_a_method_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "apollo_torch", None)
+    with pytest.raises(MethodError, match="pip install apollo-torch==1.0.3"):
+        load("apollo_torch").make_optimizer(build())
+
+
 def test_apollo_torch_cannot_simulate(tiny_job):
     pytest.importorskip("apollo_torch")
     record = runner.run(tiny_job(method="apollo_torch", model="llama-tiny", hparams=HP, simulate=True))
