@@ -16,7 +16,7 @@ import math
 
 import torch
 
-CHUNK = 1 << 22  # codes per chunk; a multiple of 8
+CHUNK = 1 << 20  # codes per chunk; a multiple of 8
 
 
 def packed_size(numel: int, bits: int) -> int:

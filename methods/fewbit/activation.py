@@ -10,6 +10,9 @@ Used by `fewbit` (the optimal tables of `tables.py`) and `approx_bp` (ReGELU2 an
 ReSiLU2, the paper's fixed 2-bit tables). Pure torch ops of static shapes: CPU, CUDA and
 fake tensors. The borders are compared in x's dtype (a Python float against a bfloat16
 tensor is rounded to bfloat16 first), the levels are applied in the gradient's dtype.
+Temporaries beside the saved codes and the output: forward, the codes (1 byte an
+element) and one comparison (1 byte); backward, the unpacked codes and one comparison
+(1 byte each), the packing's own per chunk.
 """
 from __future__ import annotations
 
@@ -19,11 +22,6 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from methods._common import bitpack
-
-# The backward runs in pieces of this many elements, so its temporaries (the codes, their
-# int64 indices, the slopes) stay a few MiB, not several bytes per element of the tensor.
-BACKWARD_CHUNK = 1 << 22
-
 
 def codes_of(x: torch.Tensor, borders) -> torch.Tensor:
     """uint8 codes: how many of the (ascending) borders lie below each element."""
@@ -46,15 +44,13 @@ class StepDerivativeFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y):
         (packed,) = ctx.saved_tensors
-        codes = bitpack.unpack(packed, ctx.bits, ctx.shape).reshape(-1)
-        del packed
-        levels = torch.tensor(ctx.levels, dtype=grad_y.dtype, device=grad_y.device)
-        gy = grad_y.reshape(-1)
-        grad_x = torch.empty(gy.shape, dtype=grad_y.dtype, device=grad_y.device)
-        for start in range(0, gy.numel(), BACKWARD_CHUNK):
-            piece = slice(start, start + BACKWARD_CHUNK)
-            torch.mul(levels[codes[piece].long()], gy[piece], out=grad_x[piece])
-        return grad_x.view(ctx.shape), None, None, None, None
+        codes = bitpack.unpack(packed, ctx.bits, ctx.shape)
+        # levels[codes], one level at a time: no index tensor (int64: 8 bytes an element)
+        grad_x = torch.full(ctx.shape, ctx.levels[0], dtype=grad_y.dtype, device=grad_y.device)
+        for code, level in enumerate(ctx.levels[1:], start=1):
+            grad_x.masked_fill_(codes == code, level)
+        del codes
+        return grad_x.mul_(grad_y), None, None, None, None
 
 
 class StepDerivativeActivation(nn.Module):

@@ -106,6 +106,16 @@ def weight_function(weight) -> Callable[[np.ndarray], np.ndarray] | None:
     raise ValueError(f"unknown weight {weight!r}: 'uniform', 'normal', 'normal:<sigma>' or a callable")
 
 
+def weight_support(weight, lo: float, hi: float) -> tuple[float, float]:
+    """The part of [lo, hi] where the weight is not negligible: a normal weight's is
+    +-12 sigma (w < 1e-31 beyond, where an interval would have no weight to place a
+    level by)."""
+    if isinstance(weight, str) and weight.split(":")[0] == "normal":
+        sigma = float(weight.split(":")[1]) if ":" in weight else 1.0
+        return max(lo, -12 * sigma), min(hi, 12 * sigma)
+    return lo, hi
+
+
 class Integrals:
     """Integrals of w, f' w and f'^2 w between any points of [L, R], for one activation
     and weight: prefix sums over a fine grid plus Gauss-Legendre on the partial cell."""
@@ -114,7 +124,7 @@ class Integrals:
         if name not in ACTIVATIONS:
             raise ValueError(f"no derivative table for {name!r}; known: {', '.join(ACTIVATIONS)}")
         self.name, self.w = name, weight_function(weight)
-        lo, hi = map(float, interval)
+        lo, hi = weight_support(weight, *map(float, interval))
         self.grid = default_grid(name, lo, hi, cells)
         cell = self._cell(self.grid[:-1], self.grid[1:])  # (3, n)
         self.prefix = np.concatenate([np.zeros((3, 1)), np.cumsum(cell, axis=1)], axis=1)
@@ -293,9 +303,12 @@ def solve(name: str, bits: int, weight="uniform", interval=INTERVAL):
     interval = tuple(map(float, interval))
     integrals = Integrals(name, weight, interval)
     borders, _ = solve_on_grid(integrals, integrals.grid, 2 ** bits)
-    if name not in STEPWISE:  # a step derivative's optimum is its own steps, on the grid
+    if name in STEPWISE:  # f' is constant between the borders (one sits on its step):
+        points = np.concatenate([[integrals.grid[0]], borders, [integrals.grid[-1]]])
+        levels = derivative(name, (points[:-1] + points[1:]) / 2)  # the means, exactly
+    else:
         borders = polish(integrals, borders)
-    levels = levels_for(integrals, borders)
+        levels = levels_for(integrals, borders)
     borders, levels = borders + 0.0, levels + 0.0  # no negative zeros
     return tuple(float(v) for v in borders), tuple(float(v) for v in levels), l2_error(integrals, borders, levels)
 
