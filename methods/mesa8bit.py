@@ -53,7 +53,6 @@ passes what it stores (codes, ranges, or the tensor kept as is) through them.
 """
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections import Counter
@@ -203,24 +202,28 @@ class Mesa8bit(Method):
     defaults = dict(group_size=64, min_numel=4096)
 
     def transform_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if getattr(model, "_mesa8bit_forward", None) is not None:
-            return model  # wrapped before
-        forward = model.forward
-        method = self
-
-        @functools.wraps(forward)
-        def quantized_forward(*args, **kwargs):
-            hooks = SavedActivationQuantizer(model, int(method.hp["group_size"]), int(method.hp["min_numel"]))
-            try:
-                with torch.autograd.graph.saved_tensors_hooks(hooks.pack, _unpack):
-                    return forward(*args, **kwargs)
-            finally:
-                hooks.cache.clear()
-                method.report = hooks.report
-
-        model.forward = quantized_forward
-        model._mesa8bit_forward = forward
+        """Quantize what autograd saves during `model`'s forward: a forward pre-hook enters
+        the saved-tensor hooks, a forward hook (also called on an exception) leaves them.
+        Hooks, not a wrapper, so the model keeps its class and a deep copy stays correct."""
+        if getattr(model, "_mesa8bit", False):
+            return model  # transformed before
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._exit, always_call=True)
+        model._mesa8bit = True
+        self._active = []
         return model
+
+    def _enter(self, model, args):
+        quantizer = SavedActivationQuantizer(model, int(self.hp["group_size"]), int(self.hp["min_numel"]))
+        hooks = torch.autograd.graph.saved_tensors_hooks(quantizer.pack, _unpack)
+        hooks.__enter__()
+        self._active.append((quantizer, hooks))
+
+    def _exit(self, model, args, output):
+        quantizer, hooks = self._active.pop()
+        hooks.__exit__(None, None, None)
+        quantizer.cache.clear()
+        self.report = quantizer.report
 
 
 METHOD = Mesa8bit

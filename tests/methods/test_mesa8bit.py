@@ -223,8 +223,23 @@ def test_simulated_equals_tracked(tiny_job, spec, model):
     assert report["quantized"] > 0
 
 
-def test_transform_twice_wraps_once():
+def test_transform_twice_hooks_once_and_an_error_leaves_no_hooks():
     method = load("mesa8bit")
     model = nn.Linear(4, 4)
-    forward = method.transform_model(model).forward
-    assert method.transform_model(model).forward is forward
+    assert method.transform_model(method.transform_model(model)) is model
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+    with pytest.raises(RuntimeError):
+        model(torch.zeros(3, 5))  # wrong width
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    model(torch.zeros(3, 4)).sum().backward()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_a_deep_copy_keeps_its_own_parameters():
+    net = M.Mesa8bit().transform_model(Net())
+    twin = copy.deepcopy(net)
+    x = rough((50, 96))
+    dy = torch.ones(50, 24, dtype=F64)
+    got = run(twin, x, dy)
+    torch.testing.assert_close(got[0], dy @ twin.fc.weight.detach(), rtol=1e-14, atol=0)  # W kept
+    assert not torch.equal(got[1], dy.T @ x)  # its input quantized
