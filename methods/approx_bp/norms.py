@@ -1,6 +1,6 @@
 """Approx-BP's memory-sharing norms: LayerNorm and RMSNorm whose backward reads the OUTPUT.
 
-Yang, Chen, Li, Hong, Tang, Zhu, "Reducing Fine-Tuning Memory Overhead by Approximate and
+Yang, Shi, Wang, Zhen, Shi, Xu, "Reducing Fine-Tuning Memory Overhead by Approximate and
 Memory-Sharing Backpropagation", ICML 2024, arXiv 2406.16282 (code: yyyyychen/LowMemoryBP,
 package `lomem`, CUDA kernels). This is our own pure-PyTorch version (CPU, CUDA, fake
 tensors); `swap_norms(model)` puts it into a Hugging Face model in place.
@@ -49,7 +49,7 @@ What it saves, per norm and token (hidden H, e bytes per element of the activati
 when the next op keeps y (GPT-2 ln_1 -> c_attn, ln_2 -> c_fc, ln_f -> lm_head; BERT's
 attention-output and layer-output LayerNorms -> the next dense / q, k, v; LLaMA's
 input_layernorm -> q, k, v, post_attention_layernorm -> gate, up, norm -> lm_head):
-  - LayerNorm: H*e (x) + 4 (the float32 mean; rstd stays).
+  - LayerNorm: H*e (x) + the mean (4 bytes on CUDA, float32; e on CPU); rstd stays.
   - LlamaRMSNorm, as Hugging Face writes it (x.to(float32); x * rsqrt(...); w * x_hat.to(dtype)):
     autograd keeps x in float32 and x_hat in the activation dtype (plus x itself when the
     model is float32, where .to() is the identity): H*(4 + e) bytes for bfloat16, 2*H*4 for

@@ -290,7 +290,7 @@ def test_saved_output_is_the_next_layers_storage(name, dtype):
 
 class MSNorms(Method):
     """The norms alone as a method (Approx-BP proper also swaps the activations)."""
-    paper = "Yang et al., ICML 2024"
+    paper = "Yang, Shi, Wang, Zhen, Shi, Xu, ICML 2024"
 
     def transform_model(self, model):
         self.report = N.swap_norms(model)
