@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from bench.method import Method
 
 LEVELS = 256
+CHUNK_ELEMENTS = 2**20
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,6 +73,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _step(lo: torch.Tensor, hi: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
     step = (hi.to(cd) - lo.to(cd)) / (LEVELS - 1)
     return torch.where(step == 0, 1, step)
+
+
+def _chunks(n_groups: int, group_size: int):
+    """Group ranges of about CHUNK_ELEMENTS elements: the float temporaries of (de)quantizing
+    stay that small whatever the tensor's size."""
+    step = max(1, CHUNK_ELEMENTS // group_size)
+    return [(s, min(s + step, n_groups)) for s in range(0, n_groups, step)]
 
 
 def quantize(x: torch.Tensor, group_size: int):
@@ -84,15 +92,21 @@ def quantize(x: torch.Tensor, group_size: int):
     groups = flat.view(-1, group_size)
     lo, hi = groups.amin(1), groups.amax(1)
     cd = _compute_dtype(x.dtype)
-    codes = (groups.to(cd) - lo.to(cd)[:, None]).div_(_step(lo, hi, cd)[:, None])
-    codes = codes.round_().clamp_(0, LEVELS - 1).to(torch.uint8)
+    step = _step(lo, hi, cd)[:, None]
+    codes = torch.empty(groups.shape, dtype=torch.uint8, device=x.device)
+    for a, b in _chunks(len(groups), group_size):
+        q = (groups[a:b].to(cd) - lo[a:b, None].to(cd)).div_(step[a:b])
+        codes[a:b] = q.round_().clamp_(0, LEVELS - 1)
     return codes, lo, hi
 
 
 def dequantize(codes, lo, hi, shape, dtype) -> torch.Tensor:
     cd = _compute_dtype(dtype)
-    x = codes.to(cd).mul_(_step(lo, hi, cd)[:, None]).add_(lo.to(cd)[:, None])
-    return x.view(-1)[: math.prod(shape)].view(shape).to(dtype)
+    step = _step(lo, hi, cd)[:, None]
+    x = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    for a, b in _chunks(len(codes), codes.shape[1]):
+        x[a:b] = codes[a:b].to(cd).mul_(step[a:b]).add_(lo[a:b, None].to(cd))
+    return x.view(-1)[: math.prod(shape)].view(shape)
 
 
 def step_per_element(x: torch.Tensor, group_size: int) -> torch.Tensor:
