@@ -7,8 +7,8 @@ byte is zero padded. n codes take exactly ceil(n*b/8) bytes (3 bits: 3/8 byte a 
 For b = 1 this is the layout of `methods.tempo.pack_bits`.
 
 The work runs in chunks of `CHUNK` codes (a multiple of 8, so every chunk starts on a
-byte boundary): the temporaries stay a few bytes per code of one chunk, never of the
-whole tensor.
+byte boundary): the temporaries (int64 words, 8 bytes a code) stay those of one chunk,
+never of the whole tensor. 8-bit codes are their own packing (a copy).
 """
 from __future__ import annotations
 
@@ -29,32 +29,41 @@ def _check(bits: int) -> None:
         raise ValueError(f"bits must be 1..8, got {bits}")
 
 
-def _powers(n: int, device) -> torch.Tensor:
-    return torch.bitwise_left_shift(torch.ones(n, dtype=torch.uint8, device=device),
-                                    torch.arange(n, dtype=torch.uint8, device=device))
-
-
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes (any shape, values < 2**bits; higher bits are ignored) -> a 1-D uint8
-    tensor of ceil(numel * bits / 8) bytes."""
+    tensor of ceil(numel * bits / 8) bytes.
+
+    Eight codes make `bits` whole bytes: code j of each group of eight is shifted by
+    j * bits into one int64 word per group, whose `bits` low bytes are the group's bytes.
+    One position (or byte) of all groups at a time: the temporaries are a few bytes per
+    group, not 8 bytes per code."""
     _check(bits)
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
     flat = codes.reshape(-1)
     n = flat.numel()
+    if bits == 8:
+        return flat.clone()
     out = torch.empty(packed_size(n, bits), dtype=torch.uint8, device=codes.device)
-    code_bits = torch.arange(bits, dtype=torch.uint8, device=codes.device)
-    byte_weights = _powers(8, codes.device)
+    mask = (1 << bits) - 1
     step = CHUNK - CHUNK % 8
     for start in range(0, n, step):
         piece = flat[start:start + step]
         m = piece.numel()
-        stream = torch.bitwise_right_shift(piece.unsqueeze(-1), code_bits).bitwise_and_(1).reshape(-1)
-        pad = (-m * bits) % 8
-        if pad:
-            stream = torch.cat([stream, stream.new_zeros(pad)])
-        first = start * bits // 8
-        out[first:first + packed_size(m, bits)] = (stream.view(-1, 8) * byte_weights).sum(-1, dtype=torch.uint8)
+        if m % 8:
+            piece = torch.cat([piece, piece.new_zeros(8 - m % 8)])
+        groups = piece.view(-1, 8)
+        words = torch.zeros(groups.shape[0], dtype=torch.int64, device=codes.device)
+        for j in range(8):
+            words.bitwise_or_(groups[:, j].bitwise_and(mask).to(torch.int64).bitwise_left_shift_(j * bits))
+        first, size = start * bits // 8, packed_size(m, bits)
+        whole = size == groups.shape[0] * bits  # every chunk but a last one of m % 8 != 0
+        data = out[first:first + size] if whole else \
+            torch.empty(groups.shape[0] * bits, dtype=torch.uint8, device=codes.device)
+        for k, byte in enumerate(data.view(-1, bits).unbind(1)):
+            byte.copy_(torch.bitwise_right_shift(words, 8 * k).bitwise_and_(255))
+        if not whole:
+            out[first:first + size] = data[:size]
     return out
 
 
@@ -66,14 +75,22 @@ def unpack(packed: torch.Tensor, bits: int, shape) -> torch.Tensor:
     if packed.numel() != packed_size(n, bits):
         raise ValueError(f"{packed.numel()} bytes cannot hold {n} codes of {bits} bits "
                          f"(expected {packed_size(n, bits)})")
-    out = torch.empty(n, dtype=torch.uint8, device=packed.device)
-    byte_bits = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    code_weights = _powers(bits, packed.device)
+    if bits == 8:
+        return packed.view(shape)
+    out = torch.empty(-(-n // 8) * 8, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
     step = CHUNK - CHUNK % 8
     for start in range(0, n, step):
         m = min(step, n - start)
-        first = start * bits // 8
-        chunk = packed[first:first + packed_size(m, bits)]
-        stream = torch.bitwise_right_shift(chunk.unsqueeze(-1), byte_bits).bitwise_and_(1).reshape(-1)
-        out[start:start + m] = (stream[: m * bits].view(m, bits) * code_weights).sum(-1, dtype=torch.uint8)
-    return out.view(shape)
+        first, size = start * bits // 8, packed_size(m, bits)
+        chunk = packed[first:first + size]
+        groups = -(-m // 8)
+        if size < groups * bits:
+            chunk = torch.cat([chunk, chunk.new_zeros(groups * bits - size)])
+        data = chunk.view(groups, bits)
+        words = torch.zeros(groups, dtype=torch.int64, device=packed.device)
+        for k in range(bits):
+            words.bitwise_or_(data[:, k].to(torch.int64).bitwise_left_shift_(8 * k))
+        for j, code in enumerate(out[start:start + groups * 8].view(groups, 8).unbind(1)):
+            code.copy_(torch.bitwise_right_shift(words, j * bits).bitwise_and_(mask))
+    return out[:n].view(shape)

@@ -11,8 +11,8 @@ ReSiLU2, the paper's fixed 2-bit tables). Pure torch ops of static shapes: CPU, 
 fake tensors. The borders are compared in x's dtype (a Python float against a bfloat16
 tensor is rounded to bfloat16 first), the levels are applied in the gradient's dtype.
 Temporaries beside the saved codes and the output: forward, the codes (1 byte an
-element) and one comparison (1 byte); backward, the unpacked codes and one comparison
-(1 byte each), the packing's own per chunk.
+element) and one comparison (1 byte); backward, the unpacked codes (1 byte); the
+packing's and the gather's own, per chunk.
 """
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from methods._common import bitpack
+
+# The backward gathers the levels into the gradient with int32 indices (4 bytes an
+# element) in up to 16 pieces of at least 2^14 elements: that temporary stays near a
+# sixteenth of the gradient's size, with few operations on large tensors.
+BACKWARD_CHUNK = 1 << 14
+BACKWARD_PIECES = 16
 
 def codes_of(x: torch.Tensor, borders) -> torch.Tensor:
     """uint8 codes: how many of the (ascending) borders lie below each element."""
@@ -44,13 +50,16 @@ class StepDerivativeFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y):
         (packed,) = ctx.saved_tensors
-        codes = bitpack.unpack(packed, ctx.bits, ctx.shape)
-        # levels[codes], one level at a time: no index tensor (int64: 8 bytes an element)
-        grad_x = torch.full(ctx.shape, ctx.levels[0], dtype=grad_y.dtype, device=grad_y.device)
-        for code, level in enumerate(ctx.levels[1:], start=1):
-            grad_x.masked_fill_(codes == code, level)
-        del codes
-        return grad_x.mul_(grad_y), None, None, None, None
+        codes = bitpack.unpack(packed, ctx.bits, ctx.shape).reshape(-1)
+        levels = torch.tensor(ctx.levels, dtype=grad_y.dtype, device=grad_y.device)
+        gy = grad_y.reshape(-1)
+        grad_x = torch.empty(gy.shape, dtype=grad_y.dtype, device=grad_y.device)
+        n = gy.numel()
+        chunk = max(BACKWARD_CHUNK, -(-n // BACKWARD_PIECES))
+        for start in range(0, n, chunk):  # int32 indices, a piece at a time
+            piece = slice(start, start + chunk)
+            torch.index_select(levels, 0, codes[piece].int(), out=grad_x[piece]).mul_(gy[piece])
+        return grad_x.view(ctx.shape), None, None, None, None
 
 
 class StepDerivativeActivation(nn.Module):

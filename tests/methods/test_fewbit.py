@@ -205,12 +205,15 @@ def test_low_precision_gradient_in_its_dtype(dtype):
     assert torch.equal(g, torch.tensor(levels, dtype=dtype)[code])
 
 
-def test_layer_with_packing_in_chunks_equals_one_piece(monkeypatch):
+def test_layer_in_chunks_equals_one_piece(monkeypatch):
+    from methods.fewbit import activation
+
     x = points()
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
     layer = StepDerivativeActivation(F.silu, *T.table("silu", 3), 3)
     _, whole = grads(layer, x, dy)
     monkeypatch.setattr(bitpack, "CHUNK", 64)
+    monkeypatch.setattr(activation, "BACKWARD_CHUNK", 100)
     _, pieces = grads(layer, x, dy)
     assert torch.equal(whole, pieces)
 
