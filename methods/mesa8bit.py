@@ -33,8 +33,10 @@ Choices where Mesa differs or leaves freedom:
 - Ranges: the exact min and max of each group, every step (Mesa keeps running estimates of
   them, an EMA with decay 0.9 over steps, and clips what falls outside). Ours have no state
   and a hard error bound; they cost one min/max pass per saved tensor.
-- Rounding: to nearest (Mesa's kernel rounds stochastically, unbiased but with twice the
-  worst-case error); deterministic here, so real and fake (simulated) runs agree.
+- Rounding: to nearest (Mesa's kernel rounds stochastically: unbiased, but with up to a
+  whole step of error); here deterministic, within half a step.
+- (De)quantizing runs in chunks of `CHUNK_ELEMENTS` (2^20) elements, so its float
+  temporaries stay small whatever the size of the saved tensor.
 - What is not quantized (kept as saved, counted in `report`):
   parameters and buffers (a Linear's weight is kept by the model anyway: quantizing it would
   add memory), found by storage, so views such as W^T are recognised; integer and bool
