@@ -29,6 +29,7 @@ from methods._common import bitpack
 BACKWARD_CHUNK = 1 << 14
 BACKWARD_PIECES = 16
 
+
 def codes_of(x: torch.Tensor, borders) -> torch.Tensor:
     """uint8 codes: how many of the (ascending) borders lie below each element."""
     codes = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)

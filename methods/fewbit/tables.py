@@ -20,10 +20,15 @@ as one (n x n) cost matrix and 2^b vectorised min-plus steps (numpy, float64).
 The grid: n = 2000 cells, x = sinh(u) for u uniform on [asinh L, asinh R] (cells of
 2.7e-3 near 0, 8e-3 at |x| = 3, 0.27 at |x| = 100 on [-100, 100]), plus 0 and the
 function's kinks (where f' or f'' jumps), so every cell integral is of a smooth function:
-8-point Gauss-Legendre per cell, exact to rounding. Then each border is polished within
-its grid cell to the continuous optimum (coordinate descent, golden-section search on
-the exact objective; it only lowers E), so tables do not depend on the grid's
-resolution beyond the choice of the basin.
+8-point Gauss-Legendre per cell, exact to rounding. Then the borders are polished to the
+continuous optimum of that basin: Newton's method on dE/dx_k = w(x_k) (l_k - l_{k-1})
+(2 f'(x_k) - l_{k-1} - l_k) = 0, each step halved until E decreases (borders on a kink
+stay), so tables do not depend on the grid's resolution beyond the choice of the basin.
+E itself (`l2_error`) is summed directly, cell by cell, as integral (f' - q)^2 w: no
+large terms cancel. Tables are cached (`tables.json` for the defaults; see `table`).
+
+A weight other than the uniform one may vanish in the tails: a normal weight's interval
+is clipped to +-6 sigma (`weight_support`).
 
 With w = 1 the integrals F and W are exact: F(a, b) = f(b) - f(a), W = b - a (the
 library's setting: w = 1 on [-100, 100]). f and f' are PyTorch's own functions in
