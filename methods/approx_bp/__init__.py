@@ -42,6 +42,8 @@ class ApproxBP(Method):
     paper = ("Yang, Shi, Wang, Zhen, Shi, Xu, Reducing Fine-Tuning Memory Overhead by Approximate "
              "and Memory-Sharing Backpropagation, ICML 2024")
     defaults = dict(activations=True, norms=True)
+    # fewbit replaces the same activations; Tempo the same norms (and keeps their outputs too)
+    incompatible = frozenset({"fewbit", "tempo"})
 
     def transform_model(self, model: nn.Module) -> nn.Module:
         report = {}

@@ -45,6 +45,7 @@ class FewBit(Method):
     paper = ("Novikov, Bershatsky, Gusak, Shonenkov, Dimitrov, Oseledets, Few-Bit Backward: "
              "Quantized Gradients of Activation Functions for Memory Footprint Reduction, ICML 2022")
     defaults = dict(bits=3, weight="uniform", interval=list(tables.INTERVAL))
+    incompatible = frozenset({"approx_bp"})  # it replaces the same activations
 
     def table_for(self, name: str):
         bits = 1 if name in tables.STEPWISE else int(self.hp["bits"])

@@ -126,6 +126,15 @@ def test_method_without_norms_and_with_them():
     assert "norms" in method.report
 
 
+def test_does_not_stack_with_methods_that_replace_the_same_layers():
+    from bench.method import MethodError
+
+    for spec in ("approx_bp+fewbit", "fewbit+approx_bp", "tempo+approx_bp"):
+        with pytest.raises(MethodError, match="cannot be stacked"):
+            load(spec)
+    load("fewbit+tempo")  # GELU from fewbit, LayerNorm and attention from Tempo
+
+
 @pytest.mark.parametrize("model", ["gpt2-tiny", "bert-tiny", "llama-tiny"])
 def test_memory_job_tracked_equals_simulated(tiny_job, model):
     plain = runner.run(tiny_job(method="adamw", model=model))
