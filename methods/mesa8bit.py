@@ -25,9 +25,9 @@ Choices where Mesa differs or leaves freedom:
   order (a transposed view is quantized as the block of memory it covers, so all views of
   one block share one copy; a view with gaps, e.g. one of q, k, v split from a fused qkv
   output, as a row-major copy). For an activation [tokens, hidden], a group is one
-  token's channels of one attention head
-  (head size 64 in GPT-2, BERT; half a head in LLaMA), a finer version of Mesa's per-head
-  groups (Mesa shares one range per head over all tokens). Cost per element: 1 byte + 2
+  token's channels of one attention head (head size 64 in GPT-2, BERT; half a head in
+  LLaMA), a finer version of Mesa's per-head groups (Mesa shares one range per head over
+  all tokens). Cost per element: 1 byte + 2
   values of the activation dtype per group: 1.125 bytes for float32 (28% of 4), 1.0625
   for bfloat16 (53% of 2).
 - Ranges: the exact min and max of each group, every step (Mesa keeps running estimates of
@@ -52,6 +52,11 @@ Choices where Mesa differs or leaves freedom:
 
 Outer hooks (the memory tracker's, another method's) still see every saved tensor: packing
 passes what it stores (codes, ranges, or the tensor kept as is) through them.
+
+Measured (bench memory jobs, NOTES-actnorm.md): saved activations at the peak -78% on the
+tiny float32 models (batch 16, seq 128); simulated in bfloat16 at batch 8, seq 512:
+LLaMA-7B activations -53%, peak -17.6%; BERT-large -39%, peak -22% (its 1-byte dropout
+masks stay as they are).
 """
 from __future__ import annotations
 
