@@ -1,0 +1,109 @@
+"""Compare two summary.csv files cell by cell: the numbers that must repeat exactly (peak
+memory and its split, largest batch and model, final loss) and, with --ratios, the paired
+throughput ratios (which repeat only within noise).
+
+    python -m bench.report.compare results/reference/cpu-2core/summary.csv results/summary.csv
+
+A cell is (kind, method, model, batch, sequence, dtype, tier, task, seed, memory size).
+Cells in only one file are listed, not counted as differences. Exit status 1 if any
+compared number differs.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import numpy as np
+import pandas as pd
+
+KEY = ["kind", "method", "model", "batch_size", "seq_len", "dtype", "memory_tier", "task", "seed",
+       "capacity_gb"]
+EXACT = {
+    "memory": ["peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
+               "other_bytes", "first_step_peak_bytes"],
+    "capacity": ["largest_batch", "peak_bytes"],
+    "model_capacity": ["largest_model", "n_params"],
+    "convergence": ["final_loss"],
+}
+
+
+def _key(row) -> tuple:
+    return tuple("" if (isinstance(v, float) and math.isnan(v)) else v for v in row)
+
+
+def compare(a: pd.DataFrame, b: pd.DataFrame, rtol: float = 0.0) -> tuple[list[str], list[str], int]:
+    """(differences, cells in only one file, numbers compared)."""
+    diffs, only, compared = [], [], 0
+    ia = {_key(r): r for r in a[KEY].assign(_i=range(len(a))).itertuples(index=False)}
+    ib = {_key(r): r for r in b[KEY].assign(_i=range(len(b))).itertuples(index=False)}
+    keys_a = {k[:-1]: k[-1] for k in ia}
+    keys_b = {k[:-1]: k[-1] for k in ib}
+    for key in sorted(set(keys_a) | set(keys_b), key=str):
+        if key[0] not in EXACT:
+            continue
+        if key not in keys_a or key not in keys_b:
+            only.append(f"{'only in B' if key not in keys_a else 'only in A'}: {key}")
+            continue
+        ra, rb = a.iloc[keys_a[key]], b.iloc[keys_b[key]]
+        for col in EXACT[key[0]]:
+            va, vb = ra.get(col), rb.get(col)
+            if pd.isna(va) and pd.isna(vb):
+                continue
+            compared += 1
+            same = (va == vb) if isinstance(va, str) or isinstance(vb, str) else (
+                not pd.isna(va) and not pd.isna(vb) and math.isclose(float(va), float(vb),
+                                                                    rel_tol=rtol, abs_tol=0))
+            if not same:
+                diffs.append(f"{key[0]} {key[1]} {key[2]} bs{key[3]} seq{key[4]} {key[7]} seed{key[8]}"
+                             f" cap{key[9]}: {col} {va} -> {vb}")
+    return diffs, only, compared
+
+
+def ratio_agreement(a: pd.DataFrame, b: pd.DataFrame) -> dict:
+    """Paired throughput ratios of the cells both runs have: |log(r1/r2)| per cell, and
+    whether each run's interval covers the other's ratio."""
+    cols = ["method", "model", "batch_size", "seq_len", "throughput_ratio", "throughput_ratio_lo",
+            "throughput_ratio_hi"]
+    if "throughput_ratio" not in a or "throughput_ratio" not in b:
+        return {"cells": 0, "note": "a summary without paired ratios (made before pairing)"}
+    ta = a[(a["kind"] == "throughput") & a["throughput_ratio"].notna()][cols]
+    tb = b[(b["kind"] == "throughput") & b["throughput_ratio"].notna()][cols]
+    m = ta.merge(tb, on=["method", "model", "batch_size", "seq_len"], suffixes=("_1", "_2"))
+    if m.empty:
+        return {"cells": 0}
+    logs = np.abs(np.log(m["throughput_ratio_1"] / m["throughput_ratio_2"]))
+    cover = ((m["throughput_ratio_lo_1"] <= m["throughput_ratio_2"]) & (m["throughput_ratio_2"] <= m["throughput_ratio_hi_1"])
+             & (m["throughput_ratio_lo_2"] <= m["throughput_ratio_1"]) & (m["throughput_ratio_1"] <= m["throughput_ratio_hi_2"]))
+    return {"cells": len(m), "max_abs_log": float(logs.max()), "median_abs_log": float(logs.median()),
+            "cells_within_0.08": int((logs <= 0.08).sum()),
+            "median_ratio_1": float(m["throughput_ratio_1"].median()),
+            "median_ratio_2": float(m["throughput_ratio_2"].median()),
+            "mutual_coverage": float(cover.mean()),
+            "worst": m.assign(abs_log=logs).sort_values("abs_log").tail(3)[
+                ["method", "model", "throughput_ratio_1", "throughput_ratio_2"]].to_dict("records")}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.report.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("a", help="summary.csv A (e.g. a committed reference)")
+    p.add_argument("b", help="summary.csv B (e.g. a new run)")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default: exact)")
+    p.add_argument("--ratios", action="store_true", help="also compare paired throughput ratios")
+    args = p.parse_args(argv)
+    a, b = pd.read_csv(args.a), pd.read_csv(args.b)
+    diffs, only, compared = compare(a, b, args.rtol)
+    for line in only:
+        print(line)
+    for line in diffs:
+        print("DIFFERS", line)
+    print(f"compare: {compared} numbers in {len(a)} / {len(b)} rows; {len(diffs)} differ; "
+          f"{len(only)} cells in one file only")
+    if args.ratios:
+        print("throughput ratios:", ratio_agreement(a, b))
+    return 1 if diffs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
