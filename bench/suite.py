@@ -226,25 +226,30 @@ def _job(config, suite, name, kind, section, task, method, model, batch, seed):
     return f"results/runs/{name}/{kind}/{model}/{method}/{cell}.json", args
 
 
-# Jobs that run in one process (one start-up of torch for them all), by kind: the key of
-# a job's group. Throughput and capacity jobs run alone (timed on every core; long).
-GROUP_BY = {"memory": ("kind", "model"), "convergence": ("kind", "model", "task", "method"),
-            "throughput": None, "capacity": None, "model_capacity": None}
+# Jobs that run in one process (one start-up of torch for them all): the fields that key a
+# group, and the most jobs a group holds (so groups still run in parallel on several cores).
+# Throughput jobs group per model but each runs alone on every core.
+GROUP_BY = {"memory": (("kind", "model"), 12), "convergence": (("kind", "model", "task", "method"), 3),
+            "throughput": (("kind", "model"), 64), "capacity": (("kind", "model"), 4),
+            "model_capacity": (("kind", "model"), 4)}
 
 
 def groups(jobs: dict[str, list[str]]) -> dict[str, list[str]]:
-    """Group id -> the result paths of the jobs one `python -m bench many` process runs:
-    the memory jobs of a model; the seeds of a (model, task, method)'s convergence; every
-    other job alone. Deleting one result reruns its group (what shares its process)."""
-    out: dict[str, list[str]] = {}
+    """Group id -> the result paths of the jobs one `python -m bench many` process runs, in
+    plan order: by the kind's key (GROUP_BY), in chunks of at most its size. Deleting one
+    result reruns its group (what shares its process)."""
+    keyed: dict[str, list[str]] = {}
     for path in jobs:
         suite, kind, model, method, cell = Path(path).with_suffix("").parts[2:]
-        task = cell.split("-bs")[0]
-        fields = dict(kind=kind, model=model, method=method, task=task)
-        key = GROUP_BY[kind]
-        gid = ("-".join(fields[k] for k in key) if key
-               else f"{kind}-{model}-{method}-{cell}")
-        out.setdefault(f"{suite}/{gid}", []).append(path)
+        fields = dict(kind=kind, model=model, method=method, task=cell.split("-bs")[0])
+        key, _ = GROUP_BY[kind]
+        keyed.setdefault(f"{suite}/" + "-".join(fields[k] for k in key), []).append(path)
+    out: dict[str, list[str]] = {}
+    for gid, paths in keyed.items():
+        size = GROUP_BY[paths[0].split("/")[3]][1]
+        chunks = [paths[i:i + size] for i in range(0, len(paths), size)]
+        for i, chunk in enumerate(chunks):
+            out[gid if len(chunks) == 1 else f"{gid}-{i + 1}"] = chunk
     return out
 
 
