@@ -13,5 +13,9 @@ for model in gpt2-xl bert-large llama-7b; do
       --seq-len 512 --simulate --out results/reference/fewbit-memory/sim_${model}_${m}.json
   done
 done
+for m in adamw fewbit; do  # nearest to Few-Bit's README table (RoBERTa-base MRPC, batch 128)
+  python -m bench --kind memory --method $m --model bert-base --batch-size 128 --seq-len 128 \
+    --simulate --out results/reference/fewbit-memory/mrpc_bert-base_${m}.json
+done
 python results/reference/fewbit-memory/summarize.py
 python results/reference/fewbit-memory/per_layer.py
