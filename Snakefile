@@ -75,6 +75,7 @@ for gid, paths in GROUPS.items():
         message: f"{kind}: {gid.split('/', 1)[1]} ({len(paths)} job{'s' if len(paths) > 1 else ''})"
         output: paths
         log: f"results/logs/{gid}.log"
+        benchmark: f"results/logs/{gid}.benchmark.tsv"  # the group's wall time
         params: jobs=json.dumps([{"args": JOBS[p], "out": p} for p in paths])
         # timed jobs run alone, on every core: nothing else competes with the clock
         threads: all_cores if kind == "throughput" else 1
