@@ -347,6 +347,7 @@ CLAIM_METRICS = {
                                 f"{r.capacity_gb:g} GiB {r.model}: {int(r.v)} -> {int(r.m)}"))),
     "peak_memory_change": ("memory", "peak_bytes", MEMORY_CELL, _change_range),
     "state_memory_change": ("memory", "state_bytes", MEMORY_CELL, _change_range),
+    "optimizer_memory_change": ("memory", "optimizer_bytes", MEMORY_CELL, _change_range),
     "throughput_ratio": ("throughput", "tokens_per_s", THROUGHPUT_CELL + ["seed"], _ratio_range),
     "final_loss_gap": ("convergence", "final_loss", CONVERGENCE_CELL + ["seed"], _gap_by_task),
 }
