@@ -130,18 +130,24 @@ def run_one(job: Job, out: str) -> dict:
 
 
 def many(argv: list[str]) -> int:
-    """`python -m bench many JOBS.json [--threads N]`: run several jobs in one process, one
+    """`python -m bench many JOBS.json [--threads N]` (or `--jobs-json TEXT`): run several jobs in one process, one
     after another (one start-up of torch for all of them); JOBS.json is a list of
     {"args": [...the arguments of one job...], "out": "result.json"}. Each result is
     written atomically as soon as its job ends, so an interrupted group keeps the results
     it finished. CUDA jobs each run in a fresh process (the allocator's peak must start
     from nothing)."""
     p = argparse.ArgumentParser(prog="python -m bench many", description=many.__doc__)
-    p.add_argument("jobs", help="JSON list of {args, out}")
+    p.add_argument("jobs", nargs="?", help="a JSON file: a list of {args, out}")
+    p.add_argument("--jobs-json", help="the same list as JSON text (instead of a file)")
     p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
     opts = p.parse_args(argv)
-    with open(opts.jobs) as f:
-        entries = json.load(f)
+    if (opts.jobs is None) == (opts.jobs_json is None):
+        p.error("give a JSON file or --jobs-json, not both")
+    if opts.jobs_json is not None:
+        entries = json.loads(opts.jobs_json)
+    else:
+        with open(opts.jobs) as f:
+            entries = json.load(f)
     jobs = [job_from_args(parser().parse_args([*e["args"], "--out", e["out"]])) for e in entries]
     for i, (job, entry) in enumerate(zip(jobs, entries)):
         if opts.threads:
