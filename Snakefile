@@ -9,6 +9,8 @@ import json
 import re
 import sys
 
+import yaml
+
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -25,6 +27,7 @@ except ConfigError as e:
     raise WorkflowError(f"bad config: {e}") from None
 
 PYTHON = sys.executable
+CATEGORIES = yaml.safe_load(open("bench/report/captions/categories.yaml"))
 # The tables gather this suite's jobs and every other suite's results on disk (a
 # result of this suite that it no longer plans is left out: it cannot be remade).
 SUITE_DIR = f"results/runs/{config['suite']}/"
@@ -103,7 +106,12 @@ rule figures:
     input:
         summary="results/summary.csv",
         curves="results/curves.csv",
-    output: expand("results/figures/{name}.{ext}", name=FIGURES, ext=["png", "pdf"])
+    output:
+        # the HTML report (snakemake --report report.html) shows each figure with its caption
+        # (the same file the Markdown report reads), in its question's section
+        [report(f"results/figures/{name}.png", caption=f"bench/report/captions/{name}.rst",
+                category=CATEGORIES[name]) for name in FIGURES],
+        expand("results/figures/{name}.pdf", name=FIGURES),
     log: "results/logs/figures.log"
     shell: "{PYTHON} -m bench.report.figures --summary {input.summary} --curves {input.curves} --out results/figures 2> {log}"
 

@@ -751,12 +751,8 @@ def main(argv=None) -> int:
         description="Draw the membench figures from the aggregated tables. Every figure ("
                     + ", ".join(FIGURES) + ") is written as <name>.png and <name>.pdf, even "
                     "when its kind has no rows (the figure then says so).",
-        epilog="overview: memory ratio vs throughput ratio per method and model, and the "
-               "final-loss gap; memory_breakdown: peak MiB by category; throughput_relative: "
-               f"tokens/s vs {BASELINE}; convergence: loss vs optimizer step with the loss floor; "
-               "capacity_batch: largest batch per GPU memory size; capacity_model: largest "
-               "model of each family that trains at a batch, per memory size; throughput_capacity: "
-               "estimated tokens/s on an H100 (uncalibrated) at the largest batch that fits.")
+        epilog="figures: " + ", ".join(FIGURES) + "; what each shows: bench/report/captions/<name>.rst "
+               "(the captions of both reports).")
     p.add_argument("--summary", required=True, help="summary.csv from bench.report.aggregate")
     p.add_argument("--curves", help="curves.csv from bench.report.aggregate (optional; without it "
                                     "the convergence figure lists jobs but draws no curves)")

@@ -24,15 +24,13 @@ from bench.report.tables import (BASELINE, CATEGORIES, MODEL_CAPACITY_CELL, capa
                           model_order, parameters_text, read_summary, simulation_accuracy_table,
                           throughput_table)
 
-FIGURE_CAPTIONS = {
-    "overview": f"Peak memory vs throughput, both relative to {BASELINE}, and the final-loss gap.",
-    "memory_breakdown": "Peak memory by category, per model and batch size.",
-    "throughput_relative": "Tokens/s relative to each method's baseline, timed side by side, with the 95% interval.",
-    "convergence": "Training loss per optimizer step, with the loss floor where known.",
-    "capacity_batch": "The largest batch that fits, per memory size, model and method.",
-    "capacity_model": "The largest model of each family that trains at a batch, per memory "
-                      "size and method.",
-}
+CAPTIONS = Path(__file__).resolve().parent / "captions"
+
+
+def caption(name: str) -> str:
+    """A figure's caption: bench/report/captions/<name>.rst, shared with the HTML report."""
+    path = CAPTIONS / f"{name}.rst"
+    return path.read_text().strip() if path.exists() else name
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -112,7 +110,7 @@ def provenance(summary: pd.DataFrame, source: str) -> str:
 def figures_section(out: Path, figures: Path) -> str:
     rel = Path(os.path.relpath(figures.resolve(), out.resolve().parent)).as_posix()
     return "\n\n".join(f"![{name}]({rel}/{name}.png)\n\n"
-                       f"*{FIGURE_CAPTIONS.get(name, name)}* ([PDF]({rel}/{name}.pdf))"
+                       f"*{caption(name)}* ([PDF]({rel}/{name}.pdf))"
                        for name in FIGURES)
 
 
