@@ -131,12 +131,17 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
                 for gb in sorted(memory_gb)]
 
     try:
-        unit = load(method).hp["micro_batches"]
+        loaded = load(method)
     except Exception as e:  # noqa: BLE001 - a method that cannot load is a row
         return failed(_line(e))
+    if not getattr(loaded, "simulates", True):
+        return failed(f"cannot run on fake tensors (the simulated tier): {method} declares "
+                      f"simulates = False; measure it on real tensors instead")
+    unit = loaded.hp["micro_batches"]
     if batch_size % unit:
         return failed(f"batch size {batch_size} is not divisible by micro_batches={unit} of {method}")
-    print(f"{label} a fake {model}: warm-up step at batch {unit}, then batch {batch_size}",
+    print(f"{label} building {model} on fake tensors, a warm-up step at batch {unit}, "
+          f"then the step at batch {batch_size}",
           file=sys.stderr, flush=True)
     oracle = capacity._Oracle(job, unit)
     oracle.log_prefix = label
