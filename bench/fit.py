@@ -89,8 +89,12 @@ def simulable_methods() -> list[str]:
 def check_model(name: str, seq_len: int, attn_implementation: str) -> int:
     """The model's parameter count, from a build on the meta device; FitError naming why
     when it cannot be built."""
+    import os
+
     import torch
 
+    if name.endswith(".json") and not os.path.isfile(name):
+        raise FitError(f"{name}: no such config.json file")
     try:
         models.config_of(name)
         with torch.device("meta"):
