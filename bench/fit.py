@@ -16,9 +16,11 @@ It is the machinery of the capacity kind (`bench.measure.capacity`), one fake mo
 method: a warm-up step, the step at `--batch-size`, then the largest-batch search, whose
 runs each answer every memory size by replaying the same trace under that size. The search
 starts from a line through two points it already has: the step at `--batch-size` and the
-state that persists between steps (a batch of zero); a memory size where the warm-up's own
-trace does not fit gets 0 with no run (every step's trace starts with the warm-up's). The
-boundary is run, not extrapolated: the largest batch fits and the next one does not.
+state that persists between steps (a batch of zero); it steers by the smallest GPU each
+run's trace replays on (`smallest_gpu`: under a cap the allocator frees its cache and
+retries, so the unlimited reserve overstates what fits). A memory size where the warm-up's
+own trace does not fit gets 0 with no run (every step's trace starts with the warm-up's).
+The boundary is run, not extrapolated: the largest batch fits and the next one does not.
 
 A model that cannot be built, or whose step fails for every method, is one line on stderr
 naming why, and exit code 2. A method that fails alone is a row with its message.
