@@ -3,6 +3,9 @@
     python -m bench --kind memory --method grad_accum --model gpt2-tiny \\
         --batch-size 8 --seq-len 128 --out results/runs/example.json
     python -m bench many jobs.json        # [{"args": [...], "out": "..."}, ...]
+
+`python -m bench fit ...` (`membench fit`) asks instead whether a model fits on GPUs of
+given sizes, for every method: `bench.fit`.
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
                "in each of --memory-gb. "
                "Methods: " + ", ".join(available()) +
                " (stack with '+', e.g. checkpointing+grad_accum; fix hyperparameters with '@', "
-               "e.g. galore@rank=8).")
+               "e.g. galore@rank=8). "
+               "Does a model fit on a GPU, per method? `python -m bench fit --help`.")
     p.add_argument("--kind", required=True, choices=KINDS)
     p.add_argument("--method", required=True, help="method module name or a+b stack")
     p.add_argument("--model", required=True, type=_model, metavar="MODEL",
@@ -165,9 +169,13 @@ def many(argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["many"]:
         return many(argv[1:])
+    if argv[:1] == ["fit"]:
+        from bench import fit
+
+        return fit.main(argv[1:])
     args = parser().parse_args(argv)
     run_one(job_from_args(args), args.out)
     return 0

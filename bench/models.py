@@ -3,10 +3,18 @@
 Nothing is downloaded. Every family has a CPU-tiny size (byte vocabulary, for the quick
 profile and the tests) and the sizes the papers use. `MODELS` is plain data so the
 Snakefile and the config check can read it without importing torch.
+
+A model may also be a path to a Hugging Face `config.json` of any architecture transformers
+builds from its config alone (Mistral, Qwen2, Gemma, GPT-NeoX, OPT, ...): its family is the
+config's `model_type`, its objective causal unless the config is a masked LM (see
+`_objective_of`), its vocabulary and positions the config's (`load_config`).
 """
 from __future__ import annotations
 
+import functools
+import json
 import math
+import os
 import re
 
 # name -> (family, config overrides). Paper sizes keep their real vocabularies.
@@ -92,10 +100,74 @@ def shape_overrides(fam: str, width: int, layers: int) -> dict:
             "intermediate_size": ffn}
 
 
+def is_config_file(name: str) -> bool:
+    """A model named by the path of an existing .json file (a Hugging Face config.json)."""
+    return name.endswith(".json") and os.path.isfile(name)
+
+
+def load_config(path: str):
+    """The transformers config of a config.json, and the family it registers in OBJECTIVE;
+    ValueError, in one line, when transformers cannot build it offline from the file."""
+    stat = os.stat(path)
+    return _load_config(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _load_config(path: str, mtime_ns: int, size: int):
+    import transformers as tf
+
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON file: {e}") from None
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise ValueError(f"{path} is not a Hugging Face config.json: it has no model_type")
+    values = {k: v for k, v in values.items() if k not in ("dtype", "torch_dtype", "auto_map")}
+    model_type = values.pop("model_type")
+    if model_type not in tf.CONFIG_MAPPING:
+        raise ValueError(f"{path}: transformers {tf.__version__} does not know model_type "
+                         f"{model_type!r}, so it cannot build that architecture")
+    try:
+        config = tf.AutoConfig.for_model(model_type, **values)
+    except Exception as e:  # noqa: BLE001 - any failure of the config class is the answer
+        raise ValueError(f"{path}: transformers cannot make a {model_type} config of it "
+                         f"({type(e).__name__}: {_first_line(e)})") from None
+    objective = _objective_of(config, values.get("architectures"))
+    fam = model_type if OBJECTIVE.get(model_type, objective) == objective else f"{model_type}-{objective}"
+    OBJECTIVE.setdefault(fam, objective)
+    return config, fam
+
+
+def _objective_of(config, architectures) -> str:
+    """`masked` for a masked LM (its architectures say ...ForMaskedLM; without them, a
+    model type that has a masked-LM head and is not marked a decoder), else `causal`;
+    ValueError if transformers has a head for neither."""
+    from transformers.models.auto import modeling_auto as auto
+
+    causal = config.model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    masked = config.model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    if not (causal or masked):
+        raise ValueError(f"transformers has no causal or masked language-model head for "
+                         f"model_type {config.model_type!r}")
+    named = " ".join(architectures) if isinstance(architectures, list) else ""
+    if masked and ("ForMaskedLM" in named or not causal or not named and not config.is_decoder):
+        return "masked"
+    return "causal"
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def config_of(name: str) -> tuple[str, dict]:
-    """(family, config overrides) of a named size or a shape name; KeyError if neither."""
+    """(family, config overrides) of a named size, a shape name or a config.json path (its
+    values); KeyError if none of these, ValueError for a config transformers cannot build."""
     if name in MODELS:
         return MODELS[name]
+    if is_config_file(name):
+        config, fam = load_config(name)
+        return fam, config.to_diff_dict()
     match = SHAPE_NAME.match(name)
     if not match:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}, or a shape "
@@ -118,11 +190,21 @@ def family(name: str) -> str:
 
 
 def vocab_size(name: str) -> int:
+    if is_config_file(name):
+        return load_config(name)[0].vocab_size
     fam, overrides = config_of(name)
     return overrides.get("vocab_size", _FAMILY_DEFAULTS[fam]["vocab_size"])
 
 
+# Config keys a config.json may state its positions under (none: positions are unbounded).
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
+
+
 def max_positions(name: str) -> int:
+    if is_config_file(name):
+        config = load_config(name)[0]
+        return next((getattr(config, k) for k in _POSITION_KEYS
+                     if isinstance(getattr(config, k, None), int)), 2**31)
     fam, overrides = config_of(name)
     key = "n_positions" if fam == "gpt2" else "max_position_embeddings"
     return overrides.get(key, _FAMILY_DEFAULTS[fam][key])
@@ -130,6 +212,9 @@ def max_positions(name: str) -> int:
 
 def shape(name: str) -> tuple[int, int]:
     """(width, layers) of a model."""
+    if is_config_file(name):
+        config = load_config(name)[0]
+        return config.hidden_size, config.num_hidden_layers
     fam, overrides = config_of(name)
     return overrides[_WIDTH[fam]], overrides[_DEPTH[fam]]
 
@@ -145,6 +230,8 @@ def ladder(start: str) -> list[str]:
     about LADDER_GROWTH x the layer weights (layers x width^2), widths rounded to a
     multiple of 64 (128 for LLaMA). Sizes between anchors get shape names; a tiny start
     keeps its vocabulary in all of them. Layer weights grow strictly along the ladder."""
+    if is_config_file(start):
+        raise ValueError(f"{start} is a config.json: it has no family ladder of sizes")
     fam = family(start)
     vocab = vocab_size(start)
     suffix = "" if vocab == _FAMILY_DEFAULTS[fam]["vocab_size"] else f"-v{vocab}"
@@ -175,6 +262,8 @@ def build(name: str, attn_implementation: str = "sdpa", dropout: float | None = 
     import transformers as tf
 
     tf.logging.set_verbosity_error()
+    if is_config_file(name):
+        return _build_from_config(name, attn_implementation, dropout)
     fam, overrides = config_of(name)
     kwargs = {**_FAMILY_DEFAULTS[fam], **overrides}
     if dropout is not None:
@@ -190,6 +279,29 @@ def build(name: str, attn_implementation: str = "sdpa", dropout: float | None = 
     config = config_cls(**kwargs)
     config._attn_implementation = attn_implementation
     return model_cls(config)
+
+
+def _build_from_config(path: str, attn_implementation: str, dropout: float | None):
+    """A config.json's model, with the causal (or masked) LM head of its objective, in the
+    default dtype (the file's dtype is not used)."""
+    import copy
+
+    import torch
+    import transformers as tf
+
+    base, fam = load_config(path)
+    config = copy.deepcopy(base)
+    if dropout is not None:  # every dropout probability the config has
+        for key, value in config.to_dict().items():
+            if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop")):
+                setattr(config, key, dropout)
+    auto = tf.AutoModelForMaskedLM if OBJECTIVE[fam] == "masked" else tf.AutoModelForCausalLM
+    try:
+        return auto.from_config(config, dtype=torch.get_default_dtype(),
+                                attn_implementation=attn_implementation)
+    except Exception as e:  # noqa: BLE001 - one line naming why, not a traceback
+        raise ValueError(f"{path}: transformers cannot build a {config.model_type} model from it "
+                         f"({type(e).__name__}: {_first_line(e)})") from None
 
 
 def n_params(model) -> int:

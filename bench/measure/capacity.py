@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from dataclasses import replace
 
 from bench import data, models
@@ -267,6 +268,8 @@ class _Oracle:
         self.capped: dict[tuple, dict] = {}  # (batch, capacity) -> record of a capped run
         self.runs: list[dict] = [] if runs is None else runs  # shared by a model search's sizes
         self.error: str | None = None
+        self.log_prefix = f"[capacity {job.method} {job.model}]"  # of the line printed per run
+        self._started = time.perf_counter()
 
     def _run(self, job: Job) -> dict:
         """A real memory job at `job`'s batch and cap (a fresh model: a capped run may fail)."""
@@ -282,13 +285,26 @@ class _Oracle:
             return {"status": "error", "message": step.error_message(e, simulated=True)}, None
 
     def _note(self, record: dict, batch: int, capacity_gb: float | None) -> None:
-        """Keep a run as evidence; the first failure that is not out-of-memory ends the search."""
+        """Keep a run as evidence, and say so in a line on stderr (where a long search is);
+        the first failure that is not out-of-memory ends the search."""
         if record["status"] not in ("ok", "oom") and self.error is None:
             self.error = record["message"]
         self.runs.append({"model": self.job.model, "batch_size": batch, "status": record["status"],
                           "peak_bytes": record.get("memory", {}).get("peak_bytes"),
                           "needed_bytes": self.need_of(record), "capacity_gb": capacity_gb,
                           "n_params": record.get("n_params")})
+        need = self.need_of(record)
+        if record["status"] != "ok":
+            said = f"{record['status']}: {record['message']}"
+        elif capacity_gb is not None or need is None:
+            said = f"fits in {capacity_gb:g} GiB" if capacity_gb is not None else "ok"
+        else:
+            size = f"{need / 2**30:.1f} GiB" if need >= 10 * 2**30 else f"{need / 2**20:.0f} MiB"
+            said = f"{size} {'predicted' if self.simulated else 'needed'}"
+        now = time.perf_counter()
+        print(f"{self.log_prefix} batch {batch} -> {said} ({now - self._started:.1f} s)",
+              file=sys.stderr, flush=True)
+        self._started = now
 
     def _record(self, batch: int) -> dict:
         if batch not in self.records:

@@ -1,0 +1,313 @@
+"""Does my model fit on my GPU? One command: `python -m bench fit` (or `membench fit`).
+
+    membench fit --model path/to/config.json --batch-size 8 --seq-len 512 --memory-gb 24 80
+
+For each method (default: every method that runs on fake tensors) it runs the model's
+training step on fake tensors (the simulated tier: no memory is allocated, so a 7B model
+is answered on a laptop) and prints, per GPU memory size, a table: the step's peak by
+category, the GPU memory it is predicted to need (the allocation trace replayed through the
+model of CUDA's caching allocator, plus the CUDA context), whether it fits, and the largest
+batch that fits. `--json FILE` writes the same rows.
+
+The model is a suite name, a shape name (`llama-d3072-l28`) or the path of a Hugging Face
+config.json of any architecture transformers builds from its config (`bench.models`).
+
+It is the machinery of the capacity kind (`bench.measure.capacity`), one fake model per
+method: a warm-up step, the step at `--batch-size`, then the largest-batch search, whose
+runs each answer every memory size by replaying the same trace under that size. The search
+starts from a line through two points it already has: the step at `--batch-size` and the
+state that persists between steps (a batch of zero); it steers by the smallest GPU each
+run's trace replays on (`smallest_gpu`: under a cap the allocator frees its cache and
+retries, so the unlimited reserve overstates what fits). A memory size where the warm-up's
+own trace does not fit gets 0 with no run (every step's trace starts with the warm-up's).
+The boundary is run, not extrapolated: the largest batch fits and the next one does not.
+
+A model that cannot be built, or whose step fails for every method, is one line on stderr
+naming why, and exit code 2. A method that fails alone is a row with its message.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+
+from bench import models
+from bench.job import DTYPE_NAMES, Job
+
+GiB = 2**30
+CATEGORIES = ("param", "grad", "optimizer", "activation", "other")
+
+
+class FitError(Exception):
+    """What makes the whole question unanswerable (a model that cannot be built, ...)."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="membench fit",
+        description="Does the model train on a GPU of each memory size, per method? Runs each "
+                    "method's training step on fake tensors (nothing is allocated) and prints, "
+                    "per memory size, the peak by category, the GPU memory predicted (CUDA "
+                    "caching-allocator model plus context), whether it fits and the largest "
+                    "batch that does. Progress goes to stderr, one line per step run.")
+    p.add_argument("--model", required=True,
+                   help="a suite model (e.g. llama-7b), a shape (llama-d3072-l28) or the path of "
+                        "a Hugging Face config.json (any architecture transformers builds offline)")
+    p.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                   help="methods to answer for (stacks with '+', variants with '@'); default: "
+                        "every method that runs on fake tensors")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step (default 8)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES,
+                   help="parameter dtype (default bfloat16)")
+    p.add_argument("--memory-gb", type=float, nargs="+", default=[16, 24, 40, 80], metavar="GB",
+                   help="GPU memory sizes in GiB (default 16 24 40 80)")
+    p.add_argument("--max-batch", type=int, default=4096,
+                   help="the largest batch the search tries (default 4096)")
+    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the rows as JSON")
+    return p
+
+
+def simulable_methods() -> list[str]:
+    """Every method whose class does not declare `simulates = False`."""
+    from bench.method import available
+
+    out = []
+    for name in available():
+        try:
+            cls = importlib.import_module(f"methods.{name}").METHOD
+        except Exception:  # noqa: BLE001 - listed; its row then says why it cannot load
+            out.append(name)
+            continue
+        if getattr(cls, "simulates", True):
+            out.append(name)
+    return out
+
+
+def check_model(name: str, seq_len: int, attn_implementation: str) -> int:
+    """The model's parameter count, from a build on the meta device; FitError naming why
+    when it cannot be built."""
+    import os
+
+    import torch
+
+    if name.endswith(".json") and not os.path.isfile(name):
+        raise FitError(f"{name}: no such config.json file")
+    try:
+        models.config_of(name)
+        with torch.device("meta"):
+            n = models.n_params(models.build(name, attn_implementation))
+    except KeyError as e:
+        raise FitError(e.args[0] if e.args else str(e)) from None
+    except Exception as e:  # noqa: BLE001 - the one line is the answer
+        raise FitError(_line(e)) from None
+    if seq_len > models.max_positions(name):
+        raise FitError(f"seq_len {seq_len} exceeds {name}'s {models.max_positions(name)} positions")
+    return n
+
+
+def _line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    return text if isinstance(e, ValueError) and text else f"{type(e).__name__}: {text}"
+
+
+def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq_len: int,
+           dtype: str, max_batch: int, seed: int = 0, attn_implementation: str = "sdpa",
+           label: str | None = None) -> list[dict]:
+    """One row per memory size for `method`: the simulated step at `batch_size` (its peak by
+    category, the GPU need), whether it fits, and the largest batch that fits."""
+    from bench.measure import allocator, capacity
+    from bench.method import load
+
+    label = label or method
+    started = time.perf_counter()
+    job = Job(kind="memory", method=method, model=model, batch_size=batch_size, seq_len=seq_len,
+              dtype=dtype, seed=seed, attn_implementation=attn_implementation, simulate=True)
+    base = {"model": model, "method": method, "batch_size": batch_size, "seq_len": seq_len,
+            "dtype": dtype, "n_params": None, "status": "ok", "message": None, "fits": False,
+            "predicted_gpu_bytes": None, "largest_batch": None}
+
+    def failed(message: str) -> list[dict]:
+        print(f"{label} error: {message}", file=sys.stderr, flush=True)
+        return [{**base, "memory_gb": gb, "status": "error", "message": message}
+                for gb in sorted(memory_gb)]
+
+    try:
+        loaded = load(method)
+    except Exception as e:  # noqa: BLE001 - a method that cannot load is a row
+        return failed(_line(e))
+    if not getattr(loaded, "simulates", True):
+        return failed(f"cannot run on fake tensors (the simulated tier): {method} declares "
+                      f"simulates = False; measure it on real tensors instead")
+    unit = loaded.hp["micro_batches"]
+    if batch_size % unit:
+        return failed(f"batch size {batch_size} is not divisible by micro_batches={unit} of {method}")
+    print(f"{label} building {model} on fake tensors, a warm-up step at batch {unit}, "
+          f"then the step at batch {batch_size}",
+          file=sys.stderr, flush=True)
+    oracle = capacity._Oracle(job, unit)
+    oracle.log_prefix = label
+    oracle.need(batch_size)
+    record = oracle.records[batch_size]
+    if record["status"] != "ok":
+        return failed(record["message"])
+    memory = record["memory"]
+    sim = oracle.sim
+    persistent = sum(sim.prefix_live.values()) + allocator.CUDA_CONTEXT_BYTES
+    most = max(1, max_batch // unit)
+
+    needs: dict[int, int | None] = {}  # batch -> the smallest GPU its trace fits on
+
+    def known() -> dict:  # k micro-batch units -> bytes; k = 0: the state kept between steps
+        for b, r in oracle.records.items():
+            if b not in needs:
+                needs[b] = (smallest_gpu(oracle.traces[b], r["memory"]) if r["status"] == "ok"
+                            else None)
+        return {0: persistent} | {b // unit: n for b, n in needs.items() if b % unit == 0}
+
+    rows = []
+    for gb in sorted(memory_gb):
+        size = int(gb * GiB)
+        if not allocator.replay_on_gpu(sim.prefix, size).fits:
+            k = 0  # the warm-up's trace, with which every step's trace starts, does not fit
+        else:
+            guess = capacity._guess(lambda k: oracle.need(k * unit), known, size, most, probes=())
+            k = capacity._largest(lambda k: oracle.fits(k * unit, size), guess, most)
+        fits = oracle.fits(batch_size, size)
+        if oracle.error:
+            return failed(oracle.error)
+        largest = oracle.records.get(k * unit)
+        rows.append({**base, "memory_gb": gb, "n_params": record["n_params"], "fits": fits,
+                     "predicted_gpu_bytes": memory["predicted_gpu_bytes"],
+                     **{f"{c}_bytes": memory[f"{c}_bytes"] for c in CATEGORIES},
+                     "peak_bytes": memory["peak_bytes"],
+                     "largest_batch": k * unit, "at_max_batch": k == most,
+                     "predicted_gpu_bytes_at_largest":
+                         largest["memory"]["predicted_gpu_bytes"] if k and largest else None})
+    steps = sorted(oracle.records)
+    print(f"{label} " + "; ".join(f"{r['memory_gb']:g} GiB: {'fits' if r['fits'] else 'does not fit'}"
+                                  f", largest batch {r['largest_batch']}" for r in rows)
+          + f" ({len(steps)} steps: batch {', '.join(map(str, steps))}; "
+            f"{time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+    return rows
+
+
+def smallest_gpu(trace: list, memory: dict, resolution: int = 2**26) -> int:
+    """About the smallest GPU (to `resolution` bytes) on which `trace` replays without
+    running out of memory: between the allocated peak and the reserve of an unlimited
+    replay (the allocator frees its cache and retries before it fails), found by
+    bisection on replays. What the largest-batch search steers by; each answer it gives
+    is still a replay at the memory size itself."""
+    from bench.measure import allocator
+
+    lo = memory["predicted_allocated_peak_bytes"] + allocator.CUDA_CONTEXT_BYTES
+    hi = memory["predicted_gpu_bytes"]
+    if lo >= hi or allocator.replay_on_gpu(trace, lo).fits:
+        return lo
+    while hi - lo > resolution:  # lo does not fit, hi does
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if allocator.replay_on_gpu(trace, mid).fits else (mid, hi)
+    return hi
+
+
+def run(model: str, methods: list[str], memory_gb: list[float], batch_size: int, seq_len: int,
+        dtype: str = "bfloat16", max_batch: int = 4096, seed: int = 0,
+        attn_implementation: str = "sdpa") -> list[dict]:
+    """Every method's rows (see `answer`); FitError when the model cannot be built."""
+    check_model(model, seq_len, attn_implementation)
+    rows = []
+    for i, method in enumerate(methods, 1):
+        rows += answer(model, method, memory_gb, batch_size, seq_len, dtype, max_batch, seed,
+                       attn_implementation, label=f"[{i}/{len(methods)}] {method}:")
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as text: one table per memory size; sizes in GiB (MiB for a model whose
+    peaks are all under 1 GiB)."""
+    if not rows:
+        return ""
+    ok = [r for r in rows if r["status"] == "ok"]
+    first = (ok or rows)[0]
+    name, scale = ("GiB", GiB) if max((r["peak_bytes"] for r in ok), default=GiB) >= GiB else ("MiB", 2**20)
+    size = lambda n: "-" if n is None else f"{n / scale:.1f}"  # noqa: E731
+    n = first["n_params"]
+    lines = [f"{first['model']}" + (f": {n / 1e9:.2f} B parameters" if n and n >= 1e9 else
+                                     f": {n / 1e6:.2f} M parameters" if n else ""),
+             f"training step at batch {first['batch_size']} x {first['seq_len']} tokens, "
+             f"{first['dtype']}, simulated on fake tensors; GPU need = the caching-allocator "
+             f"model's peak reserve + {size(allocator_context())} {name} CUDA context; sizes in {name}"]
+    head = ("method", "param", "grad", "optim", "activ", "other", "peak", "GPU need", "fits",
+            "largest batch")
+    width = max([len(head[0])] + [len(r["method"]) for r in rows])
+    fmt = f"{{:<{width}}}" + "".join(f"  {{:>{max(6, len(h))}}}" for h in head[1:-1]) + "  {}"
+    starred = False
+    for gb in sorted({r["memory_gb"] for r in rows}):
+        lines += ["", f"GPU with {gb:g} GiB", fmt.format(*head)]
+        for r in (r for r in rows if r["memory_gb"] == gb):
+            if r["status"] != "ok":
+                lines.append(f"{r['method']:<{width}}  error: {r['message']}")
+                continue
+            star = r["fits"] and r["predicted_gpu_bytes"] > gb * GiB
+            starred |= star
+            largest = f"{r['largest_batch']}{'+' if r.get('at_max_batch') else ''}"
+            lines.append(fmt.format(r["method"], *(size(r[f"{c}_bytes"]) for c in CATEGORIES),
+                                    size(r["peak_bytes"]), size(r["predicted_gpu_bytes"]),
+                                    ("yes*" if star else "yes") if r["fits"] else "no", largest))
+    if starred:
+        lines += ["", "yes*: fits although the need is above the size: the allocator frees its "
+                      "cached blocks and retries before it runs out of memory"]
+    if any(r.get("at_max_batch") for r in rows):
+        lines += ["+: the search's largest batch (--max-batch) fits"]
+    return "\n".join(lines)
+
+
+def allocator_context() -> int:
+    from bench.measure.allocator import CUDA_CONTEXT_BYTES
+
+    return CUDA_CONTEXT_BYTES
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.batch_size < 1 or args.seq_len < 1 or args.max_batch < args.batch_size:
+        print("membench fit: error: --batch-size and --seq-len must be positive and "
+              "--max-batch at least --batch-size", file=sys.stderr)
+        return 2
+    from bench.method import available
+
+    methods = args.methods or simulable_methods()
+    unknown = [m for m in methods for part in m.split("+")
+               if part.partition("@")[0] not in available()]
+    if unknown:
+        print(f"membench fit: error: unknown method {unknown[0]!r}; available: "
+              f"{', '.join(available())}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    try:
+        rows = run(args.model, methods, args.memory_gb, args.batch_size, args.seq_len,
+                   args.dtype, args.max_batch, args.seed, args.attn_implementation)
+    except FitError as e:
+        print(f"membench fit: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        reasons = list(dict.fromkeys(r["message"] for r in rows))
+        print(f"membench fit: error: no method's step runs for {args.model}: "
+              + (reasons[0] if len(reasons) == 1 else " | ".join(reasons)), file=sys.stderr)
+        return 2
+    print(table(rows))
+    print(f"membench fit: {len(methods)} methods, {len(args.memory_gb)} memory sizes in "
+          f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""`membench fit` on a config.json of an architecture outside the suite's three families,
+checked against separate simulated memory jobs; its one-line errors; models from a
+config.json."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench import fit, models
+from bench.measure import runner
+
+REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 128,
+         "torch_dtype": "float32"}  # the file's dtype is not used: --dtype is
+# GiB: the CUDA context alone is 0.5; 0.4 holds nothing, 0.503 a batch of a few sequences
+SIZES = [0.4, 0.503, 0.506]
+METHODS = ["adamw", "grad_accum"]  # grad_accum: batches in units of its 4 micro-batches
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fit") / "config.json"
+    path.write_text(json.dumps(QWEN2))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def answered(qwen2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fit") / "rows.json"
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = fit.main(["--model", qwen2, "--methods", *METHODS, "--batch-size", "4",
+                         "--seq-len", "32", "--memory-gb", *map(str, SIZES), "--max-batch", "16",
+                         "--json", str(out)])
+    return code, json.loads(out.read_text()), err.getvalue()
+
+
+def test_config_json_model(qwen2):
+    import torch
+    import transformers
+
+    assert models.is_known(qwen2) and models.family(qwen2) == "qwen2"
+    assert models.OBJECTIVE[models.family(qwen2)] == "causal"
+    assert models.vocab_size(qwen2) == 256 and models.max_positions(qwen2) == 128
+    assert models.shape(qwen2) == (64, 2)
+    with torch.device("meta"):
+        ours = models.build(qwen2)
+        theirs = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN2))
+    assert type(ours) is transformers.Qwen2ForCausalLM
+    assert models.n_params(ours) == models.n_params(theirs)
+    with pytest.raises(ValueError, match="no family ladder"):
+        models.ladder(qwen2)
+
+
+def test_masked_lm_config_trains_masked(tmp_path):
+    path = tmp_path / "roberta.json"
+    path.write_text(json.dumps({"model_type": "roberta", "architectures": ["RobertaForMaskedLM"],
+                                "hidden_size": 64, "num_hidden_layers": 1,
+                                "num_attention_heads": 4, "intermediate_size": 128,
+                                "vocab_size": 256, "max_position_embeddings": 66}))
+    assert models.OBJECTIVE[models.family(str(path))] == "masked"
+    assert type(models.build(str(path))).__name__ == "RobertaForMaskedLM"
+
+
+def test_config_json_trains_on_real_tensors(tiny_job, qwen2):
+    record = runner.run(tiny_job(kind="convergence", model=qwen2, steps=2))
+    assert record["status"] == "ok", record.get("message")
+    assert all(c["loss"] > 0 for c in record["curve"])
+
+
+def test_rows_for_each_method_and_size(answered):
+    code, rows, _ = answered
+    assert code == 0
+    assert sorted((r["method"], r["memory_gb"]) for r in rows) == sorted(
+        (m, gb) for m in METHODS for gb in SIZES)
+    for r in rows:
+        assert r["status"] == "ok", r["message"]
+        for key in ("method", "memory_gb", "fits", "n_params", "predicted_gpu_bytes",
+                    "largest_batch", "param_bytes", "activation_bytes", "peak_bytes"):
+            assert key in r, key
+
+
+def test_fits_is_monotone_and_agrees_with_the_largest_batch(answered):
+    _, rows, _ = answered
+    for method in METHODS:
+        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["memory_gb"])
+        fits = [r["fits"] for r in mine]
+        largest = [r["largest_batch"] for r in mine]
+        assert fits == sorted(fits) and largest == sorted(largest)
+        assert [r["fits"] for r in mine] == [r["largest_batch"] >= 4 for r in mine]
+        assert largest[0] == 0 and largest[-1] > 4  # the sizes span the answers
+        unit = 4 if method == "grad_accum" else 1
+        assert all(b % unit == 0 for b in largest)
+
+
+def test_rows_match_separate_simulated_memory_jobs(answered, qwen2, tiny_job):
+    """The step at --batch-size is a simulated memory job's; the largest batch fits a job
+    capped at the size (the allocator model) and one more micro-batch unit does not."""
+    _, rows, _ = answered
+    for method, unit in (("adamw", 1), ("grad_accum", 4)):
+        row = next(r for r in rows if r["method"] == method and r["memory_gb"] == SIZES[1])
+        job = dict(method=method, model=qwen2, batch_size=4, seq_len=32, dtype="bfloat16",
+                   simulate=True)
+        alone = runner.run(tiny_job(**job))
+        assert alone["n_params"] == row["n_params"]
+        for c in ("param", "grad", "optimizer", "activation", "other"):
+            assert alone["memory"][f"{c}_bytes"] == row[f"{c}_bytes"], c
+        assert alone["memory"]["predicted_gpu_bytes"] == row["predicted_gpu_bytes"]
+        k = row["largest_batch"]
+        fits = runner.run(tiny_job(**{**job, "batch_size": k}, capacity_gb=SIZES[1]))
+        over = runner.run(tiny_job(**{**job, "batch_size": k + unit}, capacity_gb=SIZES[1]))
+        assert fits["status"] == "ok", fits.get("message")
+        assert over["status"] == "oom" and "predicted out of memory" in over["message"]
+
+
+def test_progress_is_a_line_per_step(answered):
+    _, rows, err = answered
+    lines = err.splitlines()
+    assert any(line.startswith("[1/2] adamw: batch 4 -> ") and "MiB predicted" in line
+               for line in lines)
+    assert any(line.startswith("[2/2] grad_accum: ") and "largest batch" in line for line in lines)
+
+
+@pytest.mark.parametrize("content, why", [
+    ({"model_type": "not-a-model", "hidden_size": 64}, "does not know model_type 'not-a-model'"),
+    ({"hello": "world"}, "is not a Hugging Face config.json: it has no model_type"),
+    ("{not json", "is not a JSON file"),
+])
+def test_a_bad_config_is_one_line_and_exit_2(tmp_path, capsys, content, why):
+    path = tmp_path / "config.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    code = fit.main(["--model", str(path), "--methods", "adamw", "--memory-gb", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Traceback" not in err
+    [line] = [x for x in err.splitlines() if x.startswith("membench fit: error:")]
+    assert why in line
+
+
+def test_a_step_that_cannot_run_on_fake_tensors_is_one_line_and_exit_2(qwen2, capsys):
+    pytest.importorskip("bitsandbytes")
+    code = fit.main(["--model", qwen2, "--methods", "adamw_8bit", "--batch-size", "2",
+                     "--seq-len", "16", "--memory-gb", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    [line] = [x for x in err.splitlines() if x.startswith("membench fit: error:")]
+    assert "cannot run on fake tensors" in line
+
+
+def test_help_works_and_the_one_job_cli_is_unchanged():
+    fit_help = subprocess.run([sys.executable, "-m", "bench", "fit", "--help"], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=120)
+    assert fit_help.returncode == 0 and "--memory-gb" in fit_help.stdout
+    assert "--json" in fit_help.stdout
+    from bench.__main__ import parser
+
+    with pytest.raises(SystemExit):  # still requires --kind and friends
+        parser().parse_args(["--model", "gpt2-tiny"])
+    args = parser().parse_args(["--kind", "memory", "--method", "adamw", "--model", "gpt2-tiny",
+                                "--batch-size", "4", "--seq-len", "32", "--out", "x.json"])
+    assert args.kind == "memory" and args.model == "gpt2-tiny"
+
