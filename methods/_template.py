@@ -7,7 +7,7 @@
 
 Copy this file to methods/<name>.py (the file name is the method's name in configs and
 results) and keep only what the method changes: everything left out is plain AdamW
-training (bench/method.py documents each part). Add tests/test_<name>.py that checks
+training (bench/method.py documents each part). Add tests/methods/test_<name>.py that checks
 the method against an independent reference.
 """
 import torch

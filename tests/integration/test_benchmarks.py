@@ -1,7 +1,7 @@
 """Micro-benchmarks of one training step per baseline (pytest-benchmark).
 
 Plain `pytest` runs each once, as a smoke test (benchmarks are disabled in pytest.ini).
-Time them with:  pytest tests/test_benchmarks.py --benchmark-enable
+Time them with:  pytest tests/integration/test_benchmarks.py --benchmark-enable
 """
 import pytest
 import torch
