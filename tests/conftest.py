@@ -6,6 +6,19 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread for every test: on a shared 2-core machine, waiting for a busy
+    second core makes each of the many small operations of these tests far slower than
+    running alone (timed and end-to-end runs set their own threads)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def lm_batch(n: int, t: int, vocab: int = 256, seed: int = 0) -> dict:
     """A language-model batch of random tokens, labels shifted by one (last one ignored)."""
     import torch

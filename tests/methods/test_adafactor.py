@@ -17,14 +17,6 @@ from methods.adafactor import ValueFreeAdafactor, state_elements
 SHAPES = [(12, 20), (20, 12), (3, 4, 5), (7,)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tensors(dtype, steps=6, seed=1):
     gen = torch.Generator().manual_seed(seed)
     w0 = [torch.randn(s, generator=gen, dtype=dtype) for s in SHAPES]

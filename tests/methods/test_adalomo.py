@@ -12,14 +12,6 @@ from bench.method import MethodError, load, lm_loss
 from conftest import lm_batch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def gpt2(dtype=torch.float64):
     torch.manual_seed(0)
     return models.build("gpt2-tiny", dropout=0.0).to(dtype)

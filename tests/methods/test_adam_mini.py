@@ -13,14 +13,6 @@ from conftest import lm_batch
 from methods.adam_mini import partition, state_elements
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def build(name="llama-tiny", dtype=torch.float32):
     torch.manual_seed(0)
     return models.build(name, dropout=0.0).to(dtype)

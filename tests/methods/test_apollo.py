@@ -18,14 +18,6 @@ from methods.galore import TARGET_MODULES, split_params
 HP = dict(rank=16)  # llama-tiny is 128 wide: rank 16 projects
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def build(name="llama-tiny", dtype=torch.float32):
     torch.manual_seed(0)
     return models.build(name, dropout=0.0).to(dtype)

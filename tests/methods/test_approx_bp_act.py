@@ -22,14 +22,6 @@ PAIRS = {"regelu2": (A.ReGELU2, F.gelu, A.REGELU2_A, A.REGELU2_C, "gelu"),
          "resilu2": (A.ReSiLU2, F.silu, A.RESILU2_A, A.RESILU2_C, "silu")}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def points(dtype=F64):
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.randn(4000, generator=g, dtype=F64) * 4,

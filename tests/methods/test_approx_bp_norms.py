@@ -18,14 +18,6 @@ from conftest import lm_batch
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class RefRMSNorm(nn.Module):
     """RMSNorm written out for autograd, in the input's precision (the float64 reference)."""
 

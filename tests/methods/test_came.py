@@ -14,14 +14,6 @@ from conftest import lm_batch
 from methods.came import CAMEOptimizer, state_elements
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def build(name="llama-tiny", dtype=torch.float32):
     torch.manual_seed(0)
     return models.build(name, dropout=0.0).to(dtype)
@@ -185,5 +177,7 @@ def test_paper_defaults():
     hp = load("came").hp
     assert (hp["lr"], tuple(hp["betas"]), tuple(hp["eps"]), hp["weight_decay"], hp["clip_threshold"]) == (
         2e-4, (0.9, 0.999, 0.9999), (1e-30, 1e-16), 0.01, 1.0)
+    with pytest.raises(MethodError, match="option 'betas' takes a tuple like"):
+        load("came", {"betas": [0.9, 0.999]})  # caught when the config is read
     with pytest.raises(MethodError, match="three numbers"):
-        load("came", {"betas": [0.9, 0.999]}).make_optimizer(build())
+        load("came", {"betas": [0.9, 0.999, 1.5]}).make_optimizer(build())

@@ -23,14 +23,6 @@ from methods.fewbit.activation import StepDerivativeActivation, swap_activations
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # -- bit packing -----------------------------------------------------------------------
 
 

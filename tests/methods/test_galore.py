@@ -15,16 +15,6 @@ from conftest import lm_batch
 HP = dict(rank=16, update_proj_gap=2)  # llama-tiny has hidden size 128: rank 16 projects
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices gain nothing from a second thread, and OpenMP threads that wait for
-    a busy core spin: with other processes on the 2 cores this file ran 10-20x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def llama(dtype=torch.float32):
     torch.manual_seed(0)
     return models.build("llama-tiny").to(dtype)

@@ -17,14 +17,6 @@ from conftest import lm_batch
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def rough(shape, seed=0, dtype=F64, constant=64):
     """Values whose range varies from row to row; the first `constant` are equal."""
     g = torch.Generator().manual_seed(seed)

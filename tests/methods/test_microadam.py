@@ -202,16 +202,6 @@ def test_error_feedback_carries_exactly_what_topk_dropped():
         assert (carried[kept].abs() <= half_step[kept] * (1 + 1e-5)).all()  # selected: gone
 
 
-@pytest.fixture
-def one_thread():
-    """Run the tiny model's jobs on one thread, restored afterwards: a second OpenMP thread
-    gains little here and stalls the run whenever another process holds a core."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # -- memory -----------------------------------------------------------------------------------------
 def test_formula():
     d = 256_000  # whole top-k and quantisation blocks, k * block whole: no rounding at all

@@ -23,16 +23,6 @@ GELUS = {  # variant -> the module it replaces
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine, waiting for a busy second core makes
-    each of the many small operations of these tests far slower than running alone."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def gelu_points(family, dtype=F64, seed=0):
     """Random points, plus points at and near the minimum and deep in the left tail."""
     g = torch.Generator().manual_seed(seed)

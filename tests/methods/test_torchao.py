@@ -15,14 +15,6 @@ METHODS = ["torchao_adamw8bit", "torchao_adamw4bit", "torchao_adamwfp8"]
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def state_bytes(params, method) -> int:
     """torchao 0.18.0's storage (torchao/optim/adam.py, subclass_*.py): m and v of a tensor
     of n >= 4096 elements, n a multiple of the block, are quantised; others are plain
