@@ -11,7 +11,7 @@ weights, same state); only when it runs differs:
             the GaLore update of methods/galore.py (plain AdamW for the others), then free G
         (no optimizer.step(), no zero_grad: nothing is left to do after backward)
 
-The hooks are bench/release.py's, shared with AdamA. Only one micro-batch per step:
+The hooks are methods/_common/release.py's, shared with AdamA. Only one micro-batch per step:
 with N micro-batches every micro-batch's backward would run a full update, N optimizer
 steps instead of one (the gradient-accumulation problem of galore-torch's per-layer mode,
 jiaweizzhao/GaLore#78), so `micro_batches` other than 1 is refused. Like AdamA it cannot
