@@ -72,12 +72,16 @@ def results(workdir: Path) -> dict:
     return {str(p.relative_to(runs)): json.loads(p.read_text()) for p in sorted(runs.rglob("*.json"))}
 
 
+TIMED = ("throughput_ratio", "round_ratios")  # ratios of timings
+
+
 def without_timings(record):
     """A result less what differs between two runs of the same job: provenance (host,
-    date, commit) and every timing (all named *_s: wall_time_s, wall_s, tokens_per_s, ...)."""
+    date, commit) and every timing (all named *_s: wall_time_s, wall_s, tokens_per_s, ...,
+    and the paired throughput ratios)."""
     if isinstance(record, dict):
         return {k: without_timings(v) for k, v in record.items()
-                if k != "provenance" and not k.endswith("_s")}
+                if k != "provenance" and not k.endswith("_s") and not k.startswith(TIMED)}
     if isinstance(record, list):
         return [without_timings(v) for v in record]
     return record
