@@ -6,7 +6,6 @@
 #   snakemake -n                                   # list the jobs without running them
 import glob
 import json
-import re
 import sys
 
 import yaml
@@ -15,14 +14,14 @@ from snakemake.utils import min_version
 
 min_version("9.0")
 
-from bench.suite import ConfigError, check, groups, plan
+from bench.suite import ConfigError, check, groups, rule_name
 from bench.report.figures import FIGURES
 
 configfile: "config/config.yaml"
 try:
     # the one validation: schema, its defaults filled, names, types, capabilities
-    config.update(check(config))
-    JOBS = plan(config)
+    checked, JOBS = check(config)
+    config.update(checked)
 except ConfigError as e:
     raise WorkflowError(f"bad config: {e}") from None
 
@@ -37,10 +36,6 @@ CUDA = config["suites"][config["suite"]]["device"].startswith("cuda")
 
 
 GROUPS = groups(JOBS)
-
-
-def rule_name(gid: str) -> str:
-    return "run_" + re.sub(r"\W", "_", gid)
 
 
 def all_cores(wildcards) -> int:

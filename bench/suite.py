@@ -6,12 +6,13 @@ that the suite, methods and models exist, that every method module imports, that
 can be built, that hyperparameter overrides name real options with values of the right
 type, that sequences fit the models, and that a method can do what its jobs ask (run on
 fake tensors, split a batch into micro-batches). Every error names the key.
-`plan(config)` then lists the jobs. Nothing here runs a job.
+`check` returns the filled config and its jobs (`plan`). Nothing here runs a job.
 """
 from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import yaml
@@ -66,13 +67,12 @@ def fill_defaults(config: dict) -> dict:
     return config
 
 
-def check(config: dict) -> dict:
-    """Validate `config` (schema, then names and capabilities) and return it with its
-    defaults filled; raises ConfigError naming the key."""
+def check(config: dict) -> tuple[dict, dict[str, list[str]]]:
+    """Validate `config` (schema, then names and capabilities; ConfigError naming the key)
+    and return it with its defaults filled, and its jobs (`plan`)."""
     validate_schema(config)
     config = fill_defaults(config)
-    plan(config)
-    return config
+    return config, plan(config)
 
 
 def _load_method(name: str, overrides: dict, where: str):
@@ -253,6 +253,11 @@ def groups(jobs: dict[str, list[str]]) -> dict[str, list[str]]:
     return out
 
 
+def rule_name(gid: str) -> str:
+    """The Snakefile's rule of a group (and the name SLURM jobs are labelled with)."""
+    return "run_" + re.sub(r"\W", "_", gid)
+
+
 def load(path: str | Path) -> dict:
     """Read and check a config file (what the Snakefile does), defaults filled."""
-    return check(yaml.safe_load(Path(path).read_text()))
+    return check(yaml.safe_load(Path(path).read_text()))[0]

@@ -30,6 +30,34 @@ def lm_batch(n: int, t: int, vocab: int = 256, seed: int = 0) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
+def grads(module, x, dy):
+    """Output and input gradient of `module` at `x` for the output gradient `dy`."""
+    x = x.detach().clone().requires_grad_()
+    y = module(x)
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
+def saved_bytes(fn, *inputs, exclude=()):
+    """Bytes autograd saves for backward while running fn(*inputs), each storage once,
+    parameters (in `exclude`) left out."""
+    import torch
+
+    skip = {t.untyped_storage()._cdata for t in exclude}
+    storages = {}
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in skip:
+            storages[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    del out
+    return sum(storages.values())
+
+
 @pytest.fixture
 def tiny_job():
     """A factory for small, fast jobs on the CPU."""

@@ -12,7 +12,6 @@ two at a time on a 2-core machine. MEMBENCH_SLURM_PROFILE names the cluster's ow
 (default profiles/slurm-local, for the local cluster) to run them on a real one.
 """
 import json
-import re
 import os
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench import suite
+from bench.suite import rule_name
 from conftest import REPO, job_counts, snakemake
 
 pytestmark = pytest.mark.slow
@@ -126,11 +126,6 @@ def test_smoke_through_slurm_matches_local(slurm, workflow_copy, tmp_path_factor
     for product in ("results/summary.csv", "results/curves.csv", "paper/results.md"):
         assert (workflow_copy / product).stat().st_size > 0, product
     assert not stray_files(workflow_copy)
-
-
-def rule_name(gid: str) -> str:
-    """The Snakefile's name of a group's rule."""
-    return "run_" + re.sub(r"\W", "_", gid)
 
 
 def _running(workdir: Path) -> dict:

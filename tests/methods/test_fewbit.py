@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import activations
 
 from bench.measure import runner
+from conftest import grads, saved_bytes
 from bench.measure.tracker import MemoryTracker
 from bench.method import load
 from methods._common import bitpack
@@ -155,11 +156,6 @@ def points(dtype=F64, seed=0):
     return torch.cat([torch.randn(3000, generator=g, dtype=F64) * 3, torch.tensor([0.0, -50.0, 50.0], dtype=F64)]).to(dtype)
 
 
-def grads(module, x, dy):
-    x = x.detach().clone().requires_grad_()
-    y = module(x)
-    y.backward(dy)
-    return y.detach(), x.grad
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
@@ -213,21 +209,6 @@ def test_layer_in_chunks_equals_one_piece(monkeypatch):
 # -- bytes saved ------------------------------------------------------------------------------
 
 
-def saved_bytes(fn, x, exclude=()):
-    """Bytes autograd saves for backward while running fn(x), each storage once."""
-    skip = {t.untyped_storage()._cdata for t in exclude}
-    storages = {}
-
-    def pack(t):
-        key = t.untyped_storage()._cdata
-        if key not in skip:
-            storages[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(x)
-    del out
-    return sum(storages.values())
 
 
 def tracked_activation_bytes(layer, shape, fake: bool, dtype=torch.float32):

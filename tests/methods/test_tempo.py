@@ -12,7 +12,7 @@ from bench import models
 from bench.measure import runner
 from bench.method import load, lm_loss
 from methods import tempo as T
-from conftest import lm_batch
+from conftest import grads, lm_batch, saved_bytes
 
 F64 = torch.float64
 GELUS = {  # variant -> the module it replaces
@@ -34,29 +34,8 @@ def gelu_points(family, dtype=F64, seed=0):
     return x.to(dtype)
 
 
-def grads(module, x, dy):
-    x = x.detach().clone().requires_grad_()
-    y = module(x)
-    y.backward(dy)
-    return y.detach(), x.grad
 
 
-def saved_bytes(fn, *inputs, exclude=()):
-    """Bytes autograd saves for backward while running fn(*inputs), each storage once,
-    parameters (in `exclude`) left out."""
-    skip = {t.untyped_storage()._cdata for t in exclude}
-    storages = {}
-
-    def pack(t):
-        key = t.untyped_storage()._cdata
-        if key not in skip:
-            storages[key] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*inputs)
-    del out
-    return sum(storages.values())
 
 
 # -- bit packing -----------------------------------------------------------------------------
