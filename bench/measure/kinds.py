@@ -112,7 +112,7 @@ def _throughput(job: Job, method: Method) -> dict:
     cuda = job.device.startswith("cuda")
     # a fresh instance, even when a method is paired with itself (methods keep state)
     baseline = load(job.baseline, job.hparams if job.baseline == job.method else None)
-    sides, n_params = [], None
+    sides, n_params, park = [], None, False
     for m, name in ((method, job.method), (baseline, job.baseline)):  # same seed: the same initial weights and batch
         model, stream = step.setup(job, m)
         optimizer = m.make_optimizer(model)
@@ -129,16 +129,19 @@ def _throughput(job: Job, method: Method) -> dict:
         side = timing.Side(name, one_step, tensors if cuda else None)
         for i in range(job.warmup_steps):
             checked(side.step(), i)
-        if cuda:  # one side on the GPU at a time: the other waits in host memory
+        if cuda and not sides:
+            park = timing.must_park(job.device)
+        if park:  # one side on the GPU at a time: the other waits in host memory
             side.park("cpu")
         sides.append(side)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rounds = job.rounds
     timing.interleave(*sides, rounds, max(1, job.steps // rounds), seed=job.seed, sync=sync,
-                      park_to="cpu" if cuda else None, home=job.device,
+                      park_to="cpu" if park else None, home=job.device,
                       check=lambda loss, r: checked(loss, job.warmup_steps + r))
     return {"n_params": n_params,
-            "throughput": timing.summary(*sides, job.batch_size * job.seq_len, job.seed)}
+            "throughput": {**timing.summary(*sides, job.batch_size * job.seq_len, job.seed),
+                           "parked": park}}
 
 
 def _convergence(job: Job, method: Method, model, stream) -> dict:

@@ -13,7 +13,8 @@ and the result is the median of the r_i with a 95% bootstrap confidence interval
 (percentiles of the median over rounds resampled with replacement). On CUDA every timed
 block is bracketed by `torch.cuda.synchronize()`. Where both sides cannot be resident at
 once (paper-sized models on one GPU), the idle side is parked in host memory between its
-blocks (`Side.park`): the move is not timed, and the pairing is kept.
+blocks (`Side.park`): the move is not timed, and the pairing is kept. Both stay resident
+when they fit (`must_park`), since a move per block costs more than the steps it brackets.
 """
 from __future__ import annotations
 
@@ -54,6 +55,14 @@ class Side:
             for t in self.tensors():
                 if t.device != torch.device(device):
                     t.data = t.data.to(device)
+
+
+def must_park(device: str, headroom: float = 0.8) -> bool:
+    """After the first side's warm-up on a CUDA `device`: would the second side, whose step
+    needs about the same peak, overflow `headroom` of the GPU with the first one resident?"""
+    resident = torch.cuda.memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return resident + peak > headroom * torch.cuda.get_device_properties(device).total_memory
 
 
 def interleave(a: Side, b: Side, rounds: int, steps_per_round: int, seed: int = 0,

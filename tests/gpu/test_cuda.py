@@ -91,3 +91,16 @@ def test_paired_throughput_on_cuda(tiny_job):
     t = record["throughput"]
     assert t["baseline"] == "adamw" and len(t["round_ratios"]) == 8
     assert t["throughput_ratio_lo"] <= t["throughput_ratio"] <= t["throughput_ratio_hi"]
+    assert t["parked"] is False  # two tiny models fit side by side
+
+
+def test_paired_throughput_parks_the_idle_side_when_told_to(tiny_job, monkeypatch):
+    from bench.measure import timing
+    monkeypatch.setattr(timing, "must_park", lambda device: True)
+    record = runner.run(tiny_job(kind="throughput", method="adama", model="gpt2-tiny",
+                                 device="cuda", batch_size=16, seq_len=64, steps=8, rounds=4))
+    assert record["status"] == "ok", record.get("message")
+    assert record["throughput"]["parked"] is True and len(record["throughput"]["round_ratios"]) == 4
+    import gc
+    gc.collect()
+    assert torch.cuda.memory_allocated() == 0  # nothing left behind on the GPU
