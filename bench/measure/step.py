@@ -62,6 +62,9 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+LEFT_OK_BYTES = 16 * 2**20  # allocated bytes a measured job may start with (see setup)
+
+
 def check_batch(job: Job, method: Method) -> None:
     if job.batch_size % method.hp["micro_batches"]:
         raise ValueError(f"batch size {job.batch_size} is not divisible by micro_batches="
@@ -82,9 +85,11 @@ def setup(job: Job, method: Method, fake=None):
             clear()
         torch.cuda.empty_cache()
         left = torch.cuda.memory_allocated(job.device)
-        # the measured tier reads the allocator's peak: it must start from nothing (a
-        # throughput job's second side is built beside the first)
-        if left and job.kind != "throughput":
+        # the measured tier reads the allocator's peak: it must start from (almost) nothing.
+        # A few bytes stay after a first step, once per process (e.g. 512 B on an H100 after
+        # a LLaMA step; not Python tensors): a capacity search's later probes count them.
+        # A throughput job's second side is built beside the first.
+        if left > LEFT_OK_BYTES and job.kind != "throughput":
             raise RuntimeError(f"{left:,} bytes are still allocated on {job.device} by an earlier "
                                f"run in this process (something kept its tensors alive); a "
                                f"measured job needs a clean process")
