@@ -181,7 +181,7 @@ class SavedActivationQuantizer:
         outer = self.outer_pack
         if reason is not None:
             self.counts[f"kept_{reason}"] += 1
-            return (outer(t) if outer else t), None
+            return (outer(t) if outer else t), self.outer_unpack
         storage = t.untyped_storage()
         shape, n = tuple(t.shape), t.numel()
         if _dense(t):  # its block of memory, in memory order: shared by all its views

@@ -129,9 +129,9 @@ def test_does_not_stack_with_methods_that_replace_the_same_layers():
 
 @pytest.mark.parametrize("model", ["gpt2-tiny", "bert-tiny", "llama-tiny"])
 def test_memory_job_tracked_equals_simulated(tiny_job, model):
-    plain = runner.run(tiny_job(method="adamw", model=model))
-    real = runner.run(tiny_job(method="approx_bp@norms=false", model=model))
-    fake = runner.run(tiny_job(method="approx_bp@norms=false", model=model, simulate=True))
+    plain = runner.run(tiny_job(batch_size=16, seq_len=64, method="adamw", model=model))
+    real = runner.run(tiny_job(batch_size=16, seq_len=64, method="approx_bp@norms=false", model=model))
+    fake = runner.run(tiny_job(batch_size=16, seq_len=64, method="approx_bp@norms=false", model=model, simulate=True))
     for r in (plain, real, fake):
         assert r["status"] == "ok", (r.get("message"), r.get("traceback"))
     for key, value in real["memory"].items():

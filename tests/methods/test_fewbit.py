@@ -347,9 +347,9 @@ def test_whole_model_saves_the_formula(model):
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_memory_job_tracked_equals_simulated(tiny_job, model):
-    plain = runner.run(tiny_job(method="adamw", model=model))
-    real = runner.run(tiny_job(method="fewbit", model=model))
-    fake = runner.run(tiny_job(method="fewbit", model=model, simulate=True))
+    plain = runner.run(tiny_job(batch_size=16, seq_len=64, method="adamw", model=model))
+    real = runner.run(tiny_job(batch_size=16, seq_len=64, method="fewbit", model=model))
+    fake = runner.run(tiny_job(batch_size=16, seq_len=64, method="fewbit", model=model, simulate=True))
     for r in (plain, real, fake):
         assert r["status"] == "ok", (r.get("message"), r.get("traceback"))
     assert fake["memory"]["tier"] == "simulated"

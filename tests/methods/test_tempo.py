@@ -309,7 +309,7 @@ def test_report_names_what_was_replaced_and_why_not():
 
 @pytest.mark.parametrize("model", ["bert-tiny", "gpt2-tiny"])
 def test_runner_tracked_equals_simulated_and_saves_activations(tiny_job, model):
-    jobs = dict(model=model, attn_implementation="eager")  # default dropout 0.1
+    jobs = dict(model=model, attn_implementation="eager", batch_size=16, seq_len=64)  # default dropout 0.1
     plain = runner.run(tiny_job(method="adamw", **jobs))
     real = runner.run(tiny_job(method="tempo", **jobs))
     fake = runner.run(tiny_job(method="tempo", simulate=True, **jobs))
