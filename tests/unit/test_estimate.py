@@ -130,16 +130,20 @@ def test_summary_has_cost_and_estimated_columns():
     cost = {"flops": 6 * 10 ** 12, "bytes_moved": 8 * 10 ** 9, "ops": 8,
             "phases": {"forward": {"flops": 6 * 10 ** 12}, "optimizer": {"flops": 0}}, "per_op": ops}
     row = aggregate.cost_columns(cost, tokens=4096)
-    seconds = estimate.estimate(ops, "h100-sxm-80gb")
+    fit = estimate.load_calibration().get("h100-sxm-80gb")  # the committed H100 fit, if any
+    seconds = estimate.estimate(ops, "h100-sxm-80gb", estimate._usable(fit) if fit else None)
     assert row["flops"] == 6 * 10 ** 12 and row["flops_optimizer"] == 0 and row["flops_backward"] is None
     assert row["est_h100_step_time_s"] == seconds and row["est_h100_tokens_per_s"] == 4096 / seconds
+    assert row["est_h100_calibrated"] is bool(fit)
     assert set(row) <= set(aggregate.SUMMARY_COLUMNS)
     assert all(v is None for v in aggregate.cost_columns(None, 4096).values())
 
 
-def test_throughput_at_capacity_figure_draws_a_line_per_method(tmp_path):
+def test_throughput_at_capacity_figure_draws_a_line_per_method(tmp_path, monkeypatch):
     from bench.report import fig_throughput_capacity as fig_module
     from bench.report.tables import read_summary
+
+    monkeypatch.setattr(aggregate, "_calibration", dict)  # as before any GPU was fitted
 
     ops = [["forward", "mm", "float32", 10 ** 9, 10 ** 6, 4]]
     rows = []
