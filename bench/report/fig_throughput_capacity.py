@@ -109,8 +109,11 @@ def figure(summary: pd.DataFrame) -> plt.Figure:
                fontsize=9, bbox_to_anchor=(0.5, 0.03 if nrows == 1 else 0.015))
     note = ("Each point: the capacity search's largest batch at that memory size, times the "
             "sequence length, over the estimated step time of that batch (sum over the step's "
-            "operators of max(FLOPs / dense peak, bytes / bandwidth) + 5 us per launch, spec-sheet "
-            "figures; no overlap, no fusion). x on the floor: nothing fits. Memory tier: "
+            "operators of max(FLOPs / dense peak, bytes / bandwidth) + a launch cost; "
+            + ("the efficiencies and launch cost fitted on measured GPU rows, "
+               "results/reference/gpu_efficiency.json" if calibrated else
+               "spec-sheet figures, 5 us per launch") +
+            "; no overlap, no fusion). x on the floor: nothing fits. Memory tier: "
             + (", ".join(sorted(set(drawn["memory_tier"].dropna()))) or "unknown") + ".")
     fig.text(0.5, 0.0, textwrap.fill(note, int(4.2 * ncols * 72 / 5)), ha="center", va="top",
              fontsize=8, color="0.3")
