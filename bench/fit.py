@@ -34,10 +34,9 @@ import sys
 import time
 
 from bench import models
-from bench.job import DTYPE_NAMES, Job
+from bench.job import CATEGORIES, DTYPE_NAMES, Job
 
 GiB = 2**30
-CATEGORIES = ("param", "grad", "optimizer", "activation", "other")
 
 
 class FitError(Exception):
@@ -229,6 +228,8 @@ def run(model: str, methods: list[str], memory_gb: list[float], batch_size: int,
 def table(rows: list[dict]) -> str:
     """The rows as text: one table per memory size; sizes in GiB (MiB for a model whose
     peaks are all under 1 GiB)."""
+    from bench.measure.allocator import CUDA_CONTEXT_BYTES
+
     if not rows:
         return ""
     ok = [r for r in rows if r["status"] == "ok"]
@@ -240,7 +241,7 @@ def table(rows: list[dict]) -> str:
                                      f": {n / 1e6:.2f} M parameters" if n else ""),
              f"training step at batch {first['batch_size']} x {first['seq_len']} tokens, "
              f"{first['dtype']}, simulated on fake tensors; GPU need = the caching-allocator "
-             f"model's peak reserve + {size(allocator_context())} {name} CUDA context; sizes in {name}"]
+             f"model's peak reserve + {size(CUDA_CONTEXT_BYTES)} {name} CUDA context; sizes in {name}"]
     head = ("method", "param", "grad", "optim", "activ", "other", "peak", "GPU need", "fits",
             "largest batch")
     width = max([len(head[0])] + [len(r["method"]) for r in rows])
@@ -264,12 +265,6 @@ def table(rows: list[dict]) -> str:
     if any(r.get("at_max_batch") for r in rows):
         lines += ["+: the search's largest batch (--max-batch) fits"]
     return "\n".join(lines)
-
-
-def allocator_context() -> int:
-    from bench.measure.allocator import CUDA_CONTEXT_BYTES
-
-    return CUDA_CONTEXT_BYTES
 
 
 def main(argv=None) -> int:

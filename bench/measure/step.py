@@ -65,6 +65,18 @@ def default_dtype(dtype: torch.dtype):
 LEFT_OK_BYTES = 16 * 2**20  # allocated bytes a measured job may start with (see setup)
 
 
+def cuda_left(device: str) -> int:
+    """Bytes still allocated on CUDA `device` once this process's garbage, cuBLAS's
+    workspaces (kept in the caching allocator from the first matmul on) and the cache are
+    freed."""
+    gc.collect()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear:
+        clear()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
 def check_batch(job: Job, method: Method) -> None:
     if job.batch_size % method.hp["micro_batches"]:
         raise ValueError(f"batch size {job.batch_size} is not divisible by micro_batches="
@@ -79,12 +91,7 @@ def setup(job: Job, method: Method, fake=None):
     if job.device.startswith("cuda"):
         # a capacity search runs several jobs in one process: start each from an empty
         # cache, under its own cap (or none)
-        gc.collect()
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # cuBLAS keeps its
-        if clear:  # workspaces in the caching allocator from the first matmul on
-            clear()
-        torch.cuda.empty_cache()
-        left = torch.cuda.memory_allocated(job.device)
+        left = cuda_left(job.device)
         # the measured tier reads the allocator's peak: it must start from (almost) nothing.
         # A few bytes stay after a first step, once per process (e.g. 512 B on an H100 after
         # a LLaMA step; not Python tensors): a capacity search's later probes count them.

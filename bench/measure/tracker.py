@@ -200,7 +200,6 @@ class MemoryTracker(TorchDispatchMode):
                 # collector cannot see: it would hold the step's activations for good
                 for saved in list(self._saved):
                     saved.tensor = None
-            self._saved = weakref.WeakSet()
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()

@@ -101,7 +101,4 @@ def test_paired_throughput_parks_the_idle_side_when_told_to(tiny_job, monkeypatc
                                  device="cuda", batch_size=16, seq_len=64, steps=8, rounds=4))
     assert record["status"] == "ok", record.get("message")
     assert record["throughput"]["parked"] is True and len(record["throughput"]["round_ratios"]) == 4
-    import gc
-    gc.collect()
-    torch._C._cuda_clearCublasWorkspaces()
-    assert torch.cuda.memory_allocated() <= step.LEFT_OK_BYTES  # nothing left behind on the GPU
+    assert step.cuda_left("cuda") <= step.LEFT_OK_BYTES  # nothing left behind on the GPU

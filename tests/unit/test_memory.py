@@ -138,6 +138,8 @@ def test_cpu_memory_jobs_keep_what_cuda_kernels_keep():
     square = lambda saved: [t for t in saved if t.shape[-2:] == (64, 64)]
     assert len(square(plain_sdpa)) >= 2 and square(fused_sdpa) == []
     assert F.dropout.__name__ == "dropout"  # restored
+
+
 def test_a_step_that_fails_before_backward_leaves_no_activation_alive():
     """An output saved by its own grad_fn (sigmoid keeps its result) makes a cycle through
     the tracker's saved-tensor hook that Python's collector cannot see; a step that fails
