@@ -14,7 +14,7 @@ from snakemake.utils import min_version
 
 min_version("9.0")
 
-from bench.suite import ConfigError, check, groups, rule_name
+from bench.suite import PRIORITY, ConfigError, check, groups, rule_name
 from bench.report.figures import FIGURES
 
 configfile: "config/config.yaml"
@@ -36,14 +36,6 @@ CUDA = config["suites"][config["suite"]]["device"].startswith("cuda")
 
 
 GROUPS = groups(JOBS)
-
-
-def all_cores(wildcards) -> int:
-    # Timed jobs run alone, on every core: nothing else competes with the clock. Under a
-    # cluster executor the cores are those of the node the job lands on, known only inside
-    # the job (it runs with --cores all); profiles/slurm gives it that node to itself.
-    cores = workflow.resource_settings.cores
-    return cores if cores and cores != sys.maxsize else 1
 
 
 # What a group's jobs ask a cluster for (profiles/slurm): minutes per job by kind, generous
@@ -71,16 +63,18 @@ for gid, paths in GROUPS.items():
         name: rule_name(gid)
         message: f"{kind}: {gid.split('/', 1)[1]} ({len(paths)} job{'s' if len(paths) > 1 else ''})"
         output: paths
+        priority: PRIORITY[kind]
         log: f"results/logs/{gid}.log"
         benchmark: f"results/logs/{gid}.benchmark.tsv"  # the group's wall time
         params: jobs=json.dumps([{"args": JOBS[p], "out": p} for p in paths], separators=(",", ":"))
-        # timed jobs run alone, on every core: nothing else competes with the clock
-        threads: all_cores if kind == "throughput" else 1
+        # one thread each, timed jobs too: their ratio is paired (method and baseline in
+        # interleaved rounds, bench.measure.timing), so what runs beside them hits both sides
+        threads: 1
         resources:
             gpu=1 if CUDA else 0,  # becomes --gpus=1 under SLURM: one job per GPU
             mem_mb=lambda wildcards, attempt: 4096 * attempt,
             runtime=lambda wildcards, attempt, n=len(paths), k=kind: min(MINUTES[k] * n, 2880) * attempt,
-            slurm_extra="--exclusive" if kind == "throughput" else "",  # a timed job's node to itself
+            slurm_extra="--exclusive" if kind == "throughput" else "",  # on a cluster, a quiet node
         # the group's jobs go on the command line: a `shell` rule runs in this process's
         # executor, where a `run` block would start a second Snakemake per group
         shell: "{PYTHON} -m bench many --jobs-json {params.jobs:q} --threads {threads} 2> {log}"

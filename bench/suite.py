@@ -226,12 +226,14 @@ def _job(config, suite, name, kind, section, task, method, model, batch, seed):
     return f"results/runs/{name}/{kind}/{model}/{method}/{cell}.json", args
 
 
-# Jobs that run in one process (one start-up of torch for them all): the fields that key a
-# group, and the most jobs a group holds (so groups still run in parallel on several cores).
-# Throughput jobs group per model but each runs alone on every core.
-GROUP_BY = {"memory": (("kind", "model"), 12), "convergence": (("kind", "model", "task", "method"), 3),
-            "throughput": (("kind", "model"), 64), "capacity": (("kind", "model"), 4),
-            "model_capacity": (("kind", "model"), 4)}
+# Jobs that run in one process (one start-up of torch and transformers, about 8 s on a
+# 2-core machine, for them all): the fields that key a group, and the most jobs a group
+# holds (so groups still run in parallel on several cores and a deleted result reruns few).
+GROUP_BY = {"memory": (("kind", "model"), 32), "convergence": (("kind", "model"), 18),
+            "throughput": (("kind", "model"), 32), "capacity": (("kind", "model"), 16),
+            "model_capacity": (("kind", "model"), 16)}
+# The longest groups start first, so the last to end is a short one (Snakemake `priority`).
+PRIORITY = {"convergence": 4, "capacity": 3, "model_capacity": 2, "throughput": 1, "memory": 0}
 
 
 def groups(jobs: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -241,7 +243,7 @@ def groups(jobs: dict[str, list[str]]) -> dict[str, list[str]]:
     keyed: dict[str, list[str]] = {}
     for path in jobs:
         suite, kind, model, method, cell = Path(path).with_suffix("").parts[2:]
-        fields = dict(kind=kind, model=model, method=method, task=cell.split("-bs")[0])
+        fields = dict(kind=kind, model=model, method=method)
         key, _ = GROUP_BY[kind]
         keyed.setdefault(f"{suite}/" + "-".join(fields[k] for k in key), []).append(path)
     out: dict[str, list[str]] = {}

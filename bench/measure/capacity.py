@@ -7,8 +7,9 @@ a measured step) fits in C GiB. How it is answered depends on the tier:
   CUDA caching-allocator model (`bench.measure.allocator`) with C minus the CUDA context; one
   fake model serves the whole search (`_Simulation`) and one step per batch answers
   every C;
-- tracked (real tensors, CPU): a real run with the tracker capped at C: live tensor
-  bytes over C raise, and that `oom` is "does not fit";
+- tracked (real tensors, CPU): a real run at B, uncapped; the tracker counts live tensor
+  bytes exactly, and a run capped at C raises exactly when they exceed C (the same run up
+  to that moment), so the uncapped run's peak (over both steps) answers every C at once;
 - measured (CUDA): a real run with the allocator capped at C
   (`set_per_process_memory_fraction`); an out-of-memory error is "does not fit".
 
@@ -16,7 +17,8 @@ Peak memory is close to linear in the batch (activations grow with it, the rest 
 not), so two probes give a line, the line gives a guess per C, and the search gallops and
 bisects from the guess to the boundary: the answer B fits and B + one unit (the method's micro-batch
 count, since a batch must split into equal micro-batches) does not, both run, not
-extrapolated. Every run is kept in the result as evidence.
+extrapolated (on CUDA, both run under the capped allocator). Every run is kept in the
+result as evidence.
 
 The largest model (`search_model`) is the same search over the family's ladder of sizes
 (`bench.models.ladder`) at a fixed batch: peak memory grows about geometrically along
@@ -254,7 +256,8 @@ class _Simulation:
 
 
 class _Oracle:
-    """Runs memory jobs at a batch size (each batch once) and answers fits(B, C)."""
+    """Runs memory jobs at a batch size (each batch once) and answers fits(B, C): from
+    that run's bytes when simulated or tracked, by a run capped at C on CUDA."""
 
     def __init__(self, job: Job, unit: int, runs: list | None = None):
         self.job = replace(job, kind="memory", capacity_gb=None)
@@ -322,7 +325,10 @@ class _Oracle:
             return None
         if self.simulated:
             return mem["predicted_gpu_bytes"]
-        return mem.get("reserved_peak_bytes") if self.cuda else mem["peak_bytes"]
+        if self.cuda:
+            return mem.get("reserved_peak_bytes")
+        # what a run capped by the tracker must hold: the peak of either step
+        return max(mem["peak_bytes"], record.get("first_step_peak_bytes") or 0)
 
     def needs(self) -> dict[int, int | None]:
         """Batch -> bytes needed, for every uncapped run so far."""
@@ -341,6 +347,9 @@ class _Oracle:
             if self.records[batch]["status"] != "ok":
                 return False
             return allocator.replay_on_gpu(trace, capacity).fits
+        if not self.cuda:  # tracked: exact bytes; a capped run would raise iff they exceed C
+            record = self._record(batch)
+            return record["status"] == "ok" and self.need_of(record) <= capacity
         key = (batch, capacity)
         if key not in self.capped:
             record = self._run(replace(self.job, batch_size=batch, capacity_gb=capacity / 2**30))

@@ -112,9 +112,12 @@ def test_dry_run_lists_jobs(workflow_copy):
     # every job is in exactly one group, and the groups are what share a process
     grouped = [p for paths in plan.groups(jobs).values() for p in paths]
     assert sorted(grouped) == sorted(jobs)
-    memory = [g for g in plan.groups(jobs) if g.startswith("quick/memory-gpt2-tiny")]
-    assert memory[0] == "quick/memory-gpt2-tiny-1" and len(memory) > 1  # chunks of one model
-    assert all(len(plan.groups(jobs)[g]) <= plan.GROUP_BY["memory"][1] for g in memory)
+    by_group = plan.groups(jobs)
+    memory = [g for g in by_group if g.startswith("quick/memory-")]
+    assert all(len({p.split("/")[4] for p in by_group[g]}) == 1 for g in memory)  # one model each
+    convergence = [g for g in by_group if g.startswith("quick/convergence-gpt2-tiny")]
+    assert convergence[0] == "quick/convergence-gpt2-tiny-1" and len(convergence) > 1  # chunks
+    assert all(len(by_group[g]) <= plan.GROUP_BY["convergence"][1] for g in convergence)
 
 
 def test_a_new_method_module_joins_the_dag(workflow_copy):
