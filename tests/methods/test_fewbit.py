@@ -100,8 +100,11 @@ def test_tables_have_their_shape_and_error_falls_with_bits(name):
 def test_committed_tables_equal_a_fresh_solve(name, bits):
     borders, levels, error = T.solve(name, bits)
     cached_b, cached_l = T.table(name, bits)
-    np.testing.assert_allclose(cached_b, borders, rtol=0, atol=1e-9)
-    np.testing.assert_allclose(cached_l, levels, rtol=0, atol=1e-9)
+    # 1e-7: numpy's exp and expm1 round differently on CPUs with other vector units
+    # (selu's 3-bit borders moved by 1.3e-8 between two x86 machines); the error is
+    # stationary at the optimum, so it agrees far closer
+    np.testing.assert_allclose(cached_b, borders, rtol=0, atol=1e-7)
+    np.testing.assert_allclose(cached_l, levels, rtol=0, atol=1e-7)
     assert T.table_error(name, bits) == pytest.approx(error, rel=1e-9)
 
 
