@@ -77,7 +77,9 @@ def test_gelu_float64_matches_autograd(variant, pack):
     assert lost.any() and g[lost].abs().max() == 0 and g_ref[lost].abs().max() < 1e-13
 
 
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-4), (torch.bfloat16, 6e-2)])
+# float32: 1.6e-4 on one x86 CPU, 2.8e-4 on another (the float32 GELU's own rounding
+# near its minimum differs), see methods/tempo's docstring
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 3e-4), (torch.bfloat16, 6e-2)])
 @pytest.mark.parametrize("variant", ["erf", "tanh_python"])
 def test_gelu_low_precision_within_stated_error(variant, dtype, atol):
     x = gelu_points(T.GELU_VARIANTS[variant][1], dtype)
