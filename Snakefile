@@ -75,9 +75,9 @@ for gid, paths in GROUPS.items():
         log: f"results/logs/{gid}.log"
         benchmark: f"results/logs/{gid}.benchmark.tsv"  # the group's wall time
         params: jobs=json.dumps([{"args": JOBS[p], "out": p} for p in paths], separators=(",", ":"))
-        # timed jobs run alone, on every core: nothing else competes with the clock (a
-        # timed job beside another on 2 cores repeated worse: median |log ratio| 0.035 between
-        # two runs, against 0.012 alone)
+        # timed jobs run alone, on every core: nothing else competes with the clock (beside
+        # another job on 2 cores, two quick runs' ratios differed by a median |log| 0.035;
+        # alone, 0.022-0.023: results/reference/cpu-2core/README.md)
         threads: all_cores if kind == "throughput" else 1
         resources:
             gpu=1 if CUDA else 0,  # becomes --gpus=1 under SLURM: one job per GPU

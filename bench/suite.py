@@ -242,8 +242,8 @@ def groups(jobs: dict[str, list[str]]) -> dict[str, list[str]]:
     result reruns its group (what shares its process)."""
     keyed: dict[str, list[str]] = {}
     for path in jobs:
-        suite, kind, model, method, cell = Path(path).with_suffix("").parts[2:]
-        fields = dict(kind=kind, model=model, method=method)
+        suite, kind, model = Path(path).parts[2:5]  # results/runs/<suite>/<kind>/<model>/...
+        fields = dict(kind=kind, model=model)
         key, _ = GROUP_BY[kind]
         keyed.setdefault(f"{suite}/" + "-".join(fields[k] for k in key), []).append(path)
     out: dict[str, list[str]] = {}

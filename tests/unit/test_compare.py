@@ -1,4 +1,5 @@
 """Comparing two summaries: exact numbers per cell, cells in one file only."""
+import numpy as np
 import pandas as pd
 
 from bench.report import compare
@@ -23,8 +24,6 @@ def test_a_summary_equals_itself_and_a_changed_byte_is_found():
 def test_exact_intervals_agree_at_their_level_but_cover_each_other_less():
     """Two runs whose 95% intervals are exact: the combined test holds about 95% of the
     time, mutual coverage only about 83% (each ratio carries its own noise)."""
-    import numpy as np
-
     rng = np.random.default_rng(0)
     n, sigma = 4000, 0.03
     truth = rng.uniform(0.5, 1.5, n)
