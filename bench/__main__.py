@@ -10,6 +10,7 @@ given sizes, for every method: `bench.fit`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from bench.method import MethodError, available, load
 from bench.models import MODELS, is_known
 from bench.data import TASKS
 from bench.job import DTYPE_NAMES, JOB_DEFAULTS as D, KINDS, Job
-from bench.measure.runner import run
+from bench.measure.runner import run, run_panel
 
 
 def parse_hparam(text: str):
@@ -125,12 +126,51 @@ def job_from_args(args: argparse.Namespace) -> Job:
 def run_one(job: Job, out: str) -> dict:
     print(f"membench: {job.kind} {job.method} on {job.model} (batch {job.batch_size}, "
           f"seq {job.seq_len}, seed {job.seed}, {job.device})", file=sys.stderr, flush=True)
-    record = run(job)
+    return write_one(run(job), out)
+
+
+def write_one(record: dict, out: str) -> dict:
     results.write_atomic(out, record)
-    print(f"membench: status {record['status']}"
+    print(f"membench: {record['job']['method']}: status {record['status']}"
           + (f" ({record['message']})" if record["message"] else "")
           + f", {record['wall_time_s']:.1f} s -> {out}", file=sys.stderr, flush=True)
     return record
+
+
+# host memory a panel's sides may hold together (parameters, gradients, two moments each)
+PANEL_BYTES = 2 * 2**30
+
+
+def panels(jobs: list[Job]) -> list[list[int]]:
+    """`jobs`' indices in batches run together: CPU throughput jobs that differ only in
+    their method form one panel (timed beside one baseline, `run_panel`), as many as fit
+    in PANEL_BYTES; every other job runs alone. Batches in the order of their first job."""
+    import dataclasses
+
+    open_panel: dict[tuple, list[int]] = {}  # panel key -> the batch still filling
+    out: list[list[int]] = []
+    for i, job in enumerate(jobs):
+        if job.kind != "throughput" or job.device != "cpu":
+            out.append([i])
+            continue
+        fields = dataclasses.asdict(job)
+        key = tuple((k, repr(v)) for k, v in fields.items() if k not in ("method", "hparams"))
+        batch = open_panel.get(key)
+        if batch is None or (len(batch) + 2) * 16 * _n_params(job.model, job.attn_implementation) > PANEL_BYTES:
+            batch = open_panel[key] = []
+            out.append(batch)
+        batch.append(i)
+    return out
+
+
+@functools.cache
+def _n_params(model: str, attn_implementation: str) -> int:
+    import torch
+
+    from bench import models
+
+    with torch.device("meta"):
+        return models.n_params(models.build(model, attn_implementation))
 
 
 def many(argv: list[str]) -> int:
@@ -153,10 +193,23 @@ def many(argv: list[str]) -> int:
         with open(opts.jobs) as f:
             entries = json.load(f)
     jobs = [job_from_args(parser().parse_args([*e["args"], "--out", e["out"]])) for e in entries]
-    for i, (job, entry) in enumerate(zip(jobs, entries)):
+    for job in jobs:
         if opts.threads:
             job.threads = opts.threads
-        print(f"membench many: job {i + 1}/{len(jobs)}", file=sys.stderr, flush=True)
+    done = 0
+    for batch in panels(jobs):
+        if len(batch) > 1:  # throughput jobs timed together beside one baseline
+            print(f"membench many: jobs {done + 1}-{done + len(batch)}/{len(jobs)}: "
+                  f"{len(batch)} throughput jobs on {jobs[batch[0]].model}, one panel",
+                  file=sys.stderr, flush=True)
+            for i, record in zip(batch, run_panel([jobs[i] for i in batch])):
+                write_one(record, entries[i]["out"])
+            done += len(batch)
+            continue
+        i = batch[0]
+        job, entry = jobs[i], entries[i]
+        done += 1
+        print(f"membench many: job {done}/{len(jobs)}", file=sys.stderr, flush=True)
         if job.device.startswith("cuda"):
             # a GPU job reads the allocator's peak: each in a fresh process, so nothing an
             # earlier job left allocated (a method's reference cycle) is counted

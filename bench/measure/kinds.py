@@ -109,39 +109,79 @@ def _memory(job: Job, method: Method, model, stream, fake=None) -> dict:
 
 def _throughput(job: Job, method: Method) -> dict:
     """The method and its baseline timed side by side in one process (bench.measure.timing)."""
+    result = throughput_panel([(job, method)])[0]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def throughput_panel(entries: list[tuple[Job, Method]]) -> list[dict | Exception]:
+    """Several throughput jobs that differ only in their method, timed in one set of
+    interleaved rounds beside one baseline (the first job's settings, its `baseline`):
+    per job, its result, or the exception it failed with (building, warming up or in a
+    round; the others go on). A failure of the baseline fails them all."""
+    job = entries[0][0]
     cuda = job.device.startswith("cuda")
-    # a fresh instance, even when a method is paired with itself (methods keep state)
-    baseline = load(job.baseline, job.hparams if job.baseline == job.method else None)
-    sides, n_params, park = [], None, False
-    for m, name in ((method, job.method), (baseline, job.baseline)):  # same seed: the same initial weights and batch
-        model, stream = step.setup(job, m)
-        optimizer = m.make_optimizer(model)
-        batch = step.next_batch(stream, job.device)
-
-        def one_step(m=m, model=model, optimizer=optimizer, batch=batch):
-            return m.train_step(model, optimizer, batch)
-
-        def tensors(m=m, model=model, optimizer=optimizer):
-            return ([*model.parameters(), *model.buffers(), *m.state_tensors(optimizer)]
-                    + [p.grad for p in model.parameters() if p.grad is not None])
-
-        n_params = n_params or models.n_params(model)
-        side = timing.Side(name, one_step, tensors if cuda else None)
-        for i in range(job.warmup_steps):
-            checked(side.step(), i)
-        if cuda and not sides:
-            park = timing.must_park(job.device)
-        if park:  # one side on the GPU at a time: the other waits in host memory
-            side.park("cpu")
-        sides.append(side)
+    # a fresh instance, even when a method is paired with itself (methods keep state), with
+    # that job's hyperparameters
+    same = [j.hparams for j, _ in entries if j.method == job.baseline]
+    baseline = load(job.baseline, same[0] if same else None)
+    built: list = []  # per entry: its Side, or the exception that stopped it
+    n_params, park = [], False
+    for j, m in [*entries, (job, baseline)]:
+        try:  # same seed: the same initial weights and batch on every side
+            side, n = _side(j, m, j.method if m is not baseline else job.baseline, cuda)
+            if cuda and not built:  # after the first side's warm-up
+                park = timing.must_park(job.device)
+            if park:  # one side on the GPU at a time: the others wait in host memory
+                side.park("cpu")
+        except Exception as e:
+            side, n = e, None
+        built.append(side)
+        n_params.append(n)
+    base = built.pop()
+    if isinstance(base, Exception):
+        return [base] * len(entries)
+    sides = [s for s in built if not isinstance(s, Exception)]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rounds = job.rounds
-    timing.interleave(*sides, rounds, max(1, job.steps // rounds), seed=job.seed, sync=sync,
+    tag = f"[throughput {job.model}: {len(sides)} method{'s' if len(sides) > 1 else ''} beside {job.baseline}]"
+    every = max(1, rounds // 4)
+    timing.interleave([*sides, base], rounds, max(1, job.steps // rounds), seed=job.seed, sync=sync,
                       park_to="cpu" if park else None, home=job.device,
-                      check=lambda loss, r: checked(loss, job.warmup_steps + r))
-    return {"n_params": n_params,
-            "throughput": {**timing.summary(*sides, job.batch_size * job.seq_len, job.seed),
-                           "parked": park}}
+                      check=lambda loss, r: checked(loss, job.warmup_steps + r), essential=base,
+                      progress=lambda r: (r + 1) % every == 0 and print(
+                          f"{tag} round {r + 1}/{rounds}", file=sys.stderr, flush=True))
+    if base.error is not None:
+        return [base.error] * len(entries)
+    out = []
+    for (j, m), side, n in zip(entries, built, n_params):
+        if isinstance(side, Exception) or side.error is not None:
+            out.append(side if isinstance(side, Exception) else side.error)
+            continue
+        out.append({"n_params": n,
+                    "throughput": {**timing.summary(side, base, j.batch_size * j.seq_len, j.seed),
+                                   "parked": park, "panel_size": len(entries)}})
+    return out
+
+
+def _side(job: Job, method: Method, name: str, cuda: bool) -> tuple[timing.Side, int]:
+    """A method's model, optimizer and batch, warmed up, as one side of a timed pair."""
+    model, stream = step.setup(job, method)
+    optimizer = method.make_optimizer(model)
+    batch = step.next_batch(stream, job.device)
+
+    def one_step():
+        return method.train_step(model, optimizer, batch)
+
+    def tensors():
+        return ([*model.parameters(), *model.buffers(), *method.state_tensors(optimizer)]
+                + [p.grad for p in model.parameters() if p.grad is not None])
+
+    side = timing.Side(name, one_step, tensors if cuda else None)
+    for i in range(job.warmup_steps):
+        checked(side.step(), i)
+    return side, models.n_params(model)
 
 
 def _convergence(job: Job, method: Method, model, stream) -> dict:

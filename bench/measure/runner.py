@@ -6,7 +6,9 @@ Kinds:
   where the allocator's peak is the headline and the tracker gives the split; tier
   ``simulated`` with `simulate`: the same step on fake tensors, which hold no memory, so
   paper-sized models can be measured on a laptop).
-- ``throughput``: warm-up steps, then timed steps; median step time and tokens/s.
+- ``throughput``: warm-up steps, then timed steps beside the baseline's, in interleaved
+  rounds; the ratio of their tokens/s with a 95% interval. `run_panel` times several
+  methods beside one baseline in the same rounds.
 - ``convergence``: `steps` training steps on fresh batches; loss and wall time per step.
 - ``capacity``: for each of `memory_gb`, the largest batch (up to `batch_size`) whose
   memory job fits, found by search (`bench.measure.capacity`), in the job's tier.
@@ -54,6 +56,32 @@ def run(job: Job, method: Method | None = None) -> dict:
 
     record.update(kinds.attempt(job, measure))
     return _finish(record, job, loaded[0] if loaded else None, started)
+
+
+def run_panel(jobs: list[Job]) -> list[dict]:
+    """Result records of throughput jobs that differ only in their method, timed together
+    beside one baseline (`kinds.throughput_panel`); each record as `run` would write it,
+    its `wall_time_s` the panel's divided by the number of jobs."""
+    started = time.perf_counter()
+    if jobs[0].threads:
+        torch.set_num_threads(jobs[0].threads)
+    methods = [load(job.method, job.hparams) for job in jobs]
+    outcomes = kinds.throughput_panel(list(zip(jobs, methods)))
+    out = []
+    for job, m, outcome in zip(jobs, methods, outcomes):
+        record = {"schema_version": records.SCHEMA_VERSION, "job": asdict(job),
+                  "hparams": {k: list(v) if isinstance(v, tuple) else v for k, v in m.hp.items()}}
+
+        def result(outcome=outcome):
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        record.update(kinds.attempt(job, result))
+        out.append(_finish(record, job, m, started))
+    for record in out:
+        record["wall_time_s"] /= len(out)
+    return out
 
 
 def _finish(record: dict, job: Job, method: Method | None, started: float) -> dict:

@@ -15,6 +15,12 @@ block is bracketed by `torch.cuda.synchronize()`. Where both sides cannot be res
 once (paper-sized models on one GPU), the idle side is parked in host memory between its
 blocks (`Side.park`): the move is not timed, and the pairing is kept. Both stay resident
 when they fit (`must_park`), since a move per block costs more than the steps it brackets.
+
+A panel is the same design with several methods beside one baseline: every round runs
+each side once, in a random order, and each method's ratio is taken to the baseline's
+block of the same round. The baseline is timed once per round for all of them instead of
+once per method (half the steps of separate pairs, for the same rounds); a side that
+fails leaves the rounds, and the others go on.
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ class Side:
     step: callable  # runs one training step, returns the loss
     tensors: callable = None  # every tensor the side keeps (to park it), or None
     times: list = field(default_factory=list)  # mean step time of each round, seconds
+    error: Exception | None = None  # why the side left the rounds, if it did
 
     def park(self, device: str) -> None:
         """Move the side's tensors to `device` in place (same tensor objects)."""
@@ -65,32 +72,44 @@ def must_park(device: str, headroom: float = 0.8) -> bool:
     return resident + peak > headroom * torch.cuda.get_device_properties(device).total_memory
 
 
-def interleave(a: Side, b: Side, rounds: int, steps_per_round: int, seed: int = 0,
+def interleave(sides: list[Side], rounds: int, steps_per_round: int, seed: int = 0,
                sync=lambda: None, park_to: str | None = None, home: str | None = None,
-               check=lambda loss, i: None) -> None:
+               check=lambda loss, i: None, essential: Side | None = None, progress=None) -> None:
     """Time `rounds` rounds of `steps_per_round` steps of each side, in a random order per
-    round; each side's mean step time per round goes to its `times`. With `park_to`, the
-    side not being timed waits there (moved back to `home` before its block, untimed)."""
+    round; each side's mean step time per round goes to its `times`. A side whose step
+    raises (or whose loss `check` rejects) keeps the exception in `error` and leaves the
+    rounds; if it is `essential` (the baseline), the rounds stop. With `park_to`, the sides
+    not being timed wait there (the timed one is moved back to `home` first, untimed).
+    `progress(r)` is called after each round."""
     rng = random.Random(seed)
     for r in range(rounds):
-        order = [a, b]
+        order = [s for s in sides if s.error is None]
         rng.shuffle(order)
         for side in order:
             if park_to:
-                other = b if side is a else a
-                other.park(park_to)
+                for other in sides:
+                    if other is not side:
+                        other.park(park_to)
                 side.park(home)
-            sync()
-            t0 = time.perf_counter()
-            for i in range(steps_per_round):
-                loss = side.step()
-            sync()
-            side.times.append((time.perf_counter() - t0) / steps_per_round)
-            check(loss, r)
+            try:
+                sync()
+                t0 = time.perf_counter()
+                for i in range(steps_per_round):
+                    loss = side.step()
+                sync()
+                side.times.append((time.perf_counter() - t0) / steps_per_round)
+                check(loss, r)
+            except Exception as e:  # this side's failure is its result; the others go on
+                side.error = e
+                if side is essential:
+                    return
+        if progress:
+            progress(r)
 
 
 def summary(a: Side, b: Side, tokens_per_step: int, seed: int = 0) -> dict:
-    """The paired result: ratio median and interval, each side's median tokens/s."""
+    """The paired result: ratio median and interval, each side's median tokens/s (`a` and
+    `b` timed in the same rounds)."""
     ratios = [tb / ta for ta, tb in zip(a.times, b.times)]
     ratio, lo, hi = bootstrap_median(ratios, seed)
     qa = statistics.quantiles(a.times, n=4) if len(a.times) > 1 else [a.times[0]] * 3

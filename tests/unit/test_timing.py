@@ -1,11 +1,17 @@
-"""Paired timing: the bootstrap interval's coverage under drift, and a method timed beside
-itself."""
+"""Paired timing: the bootstrap interval's coverage under drift, a method timed beside
+itself, and a panel of methods timed beside one baseline."""
+import json
 import math
 import random
+import subprocess
+import sys
 
 import pytest
+import torch
 
-from bench.measure import runner, timing
+from bench.measure import kinds, runner, timing
+from bench.method import Method, load
+from tests.conftest import REPO
 
 
 def drifting_pair(rng: random.Random, ratio: float, rounds: int):
@@ -42,7 +48,7 @@ def test_interleave_times_every_round_of_both_sides_in_a_seeded_order():
     calls = []
     a = timing.Side("a", lambda: calls.append("a"))
     b = timing.Side("b", lambda: calls.append("b"))
-    timing.interleave(a, b, rounds=6, steps_per_round=2, seed=3)
+    timing.interleave([a, b], rounds=6, steps_per_round=2, seed=3)
     assert len(a.times) == len(b.times) == 6 and calls.count("a") == calls.count("b") == 12
     blocks = [calls[i] for i in range(0, len(calls), 2)]
     assert {tuple(blocks[i:i + 2]) for i in range(0, 12, 2)} == {("a", "b"), ("b", "a")}
@@ -59,3 +65,76 @@ def test_a_method_paired_with_itself_is_about_as_fast(tiny_job, method):
     # identical work on both sides: the ratio is 1 up to timing noise, never a real factor
     # (such as grad_accum's 4 micro-batches against one batch)
     assert 0.67 < t["throughput_ratio"] < 1.5
+
+
+def test_interleave_runs_each_side_once_per_round_and_drops_a_failing_one():
+    calls = []
+
+    def failing():
+        calls.append("x")
+        if calls.count("x") == 3:
+            raise RuntimeError("third step fails")
+
+    sides = [timing.Side(n, lambda n=n: calls.append(n)) for n in "abc"]
+    x = timing.Side("x", failing)
+    timing.interleave([*sides, x], rounds=5, steps_per_round=1, seed=0)
+    assert all(len(s.times) == 5 for s in sides) and len(x.times) == 2
+    assert "third step" in str(x.error) and calls.count("x") == 3
+    # every round is a permutation of the sides still in it
+    assert sorted(calls[:4]) == ["a", "b", "c", "x"]
+
+    base = timing.Side("base", lambda: (_ for _ in ()).throw(RuntimeError("baseline fails")))
+    other = timing.Side("other", lambda: None)
+    timing.interleave([other, base], rounds=5, steps_per_round=1, seed=0, essential=base)
+    assert base.error is not None and len(other.times) <= 1  # the rounds stop with it
+
+
+class FailsLater(Method):
+    """AdamW whose fourth step raises: it fails in the timed rounds, not the warm-up."""
+    paper = "test"
+
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def train_step(self, model, optimizer, batch):
+        self.steps += 1
+        if self.steps == 4:
+            raise RuntimeError("fails in round two")
+        return super().train_step(model, optimizer, batch)
+
+
+def test_a_panel_shares_one_baseline_and_isolates_a_failure(tiny_job):
+    jobs = [tiny_job(kind="throughput", method=m, steps=6, rounds=6, warmup_steps=2)
+            for m in ("adamw", "grad_accum", "galore")]
+    out = kinds.throughput_panel([(jobs[0], load("adamw")), (jobs[1], load("grad_accum")),
+                                  (jobs[2], FailsLater())])
+    ok = out[:2]
+    assert all(isinstance(r, dict) for r in ok) and isinstance(out[2], RuntimeError)
+    base = ok[0]["throughput"]["baseline_round_step_times_s"]
+    assert len(base) == 6 and ok[1]["throughput"]["baseline_round_step_times_s"] == base
+    for r in ok:
+        t = r["throughput"]
+        assert t["panel_size"] == 3 and t["baseline"] == "adamw"
+        assert t["round_ratios"] == [b / a for a, b in zip(t["round_step_times_s"], base)]
+        assert t["throughput_ratio_lo"] <= t["throughput_ratio"] <= t["throughput_ratio_hi"]
+    # grad_accum's 4 micro-batches of 1 sequence against one batch of 4: slower, never faster
+    assert ok[1]["throughput"]["throughput_ratio"] < 1.0
+
+
+def test_many_times_a_group_of_throughput_jobs_as_one_panel(tmp_path):
+    entries = [{"args": ["--kind", "throughput", "--method", m, "--model", "gpt2-tiny",
+                         "--batch-size", "4", "--seq-len", "32", "--steps", "3", "--rounds", "3",
+                         "--warmup-steps", "1"], "out": str(tmp_path / f"{m}.json")}
+               for m in ("adamw", "galore")]
+    entries.append({"args": ["--kind", "memory", "--method", "adamw", "--model", "gpt2-tiny",
+                             "--batch-size", "4", "--seq-len", "32"], "out": str(tmp_path / "m.json")})
+    done = subprocess.run([sys.executable, "-m", "bench", "many", "--jobs-json", json.dumps(entries),
+                           "--threads", "1"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads((tmp_path / f).read_text()) for f in ("adamw.json", "galore.json", "m.json")]
+    assert [r["status"] for r in records] == ["ok"] * 3
+    a, g = (r["throughput"] for r in records[:2])
+    assert a["panel_size"] == g["panel_size"] == 2
+    assert a["baseline_round_step_times_s"] == g["baseline_round_step_times_s"]
+    assert "memory" in records[2] and "one panel" in done.stderr
