@@ -117,7 +117,8 @@ def _throughput(job: Job, method: Method) -> dict:
 
 def throughput_panel(entries: list[tuple[Job, Method]]) -> list[dict | Exception]:
     """Several throughput jobs that differ only in their method, timed in one set of
-    interleaved rounds beside one baseline (the first job's settings, its `baseline`):
+    interleaved rounds beside one baseline (the first job's settings, its `baseline`;
+    `timing.interleave` pairs each method block with an adjacent baseline block):
     per job, its result, or the exception it failed with (building, warming up or in a
     round; the others go on). A failure of the baseline fails them all."""
     job = entries[0][0]
@@ -147,9 +148,9 @@ def throughput_panel(entries: list[tuple[Job, Method]]) -> list[dict | Exception
     rounds = job.rounds
     tag = f"[throughput {job.model}: {len(sides)} method{'s' if len(sides) > 1 else ''} beside {job.baseline}]"
     every = max(1, rounds // 4)
-    timing.interleave([*sides, base], rounds, max(1, job.steps // rounds), seed=job.seed, sync=sync,
+    timing.interleave(sides, base, rounds, max(1, job.steps // rounds), seed=job.seed, sync=sync,
                       park_to="cpu" if park else None, home=job.device,
-                      check=lambda loss, r: checked(loss, job.warmup_steps + r), essential=base,
+                      check=lambda loss, r: checked(loss, job.warmup_steps + r),
                       progress=lambda r: (r + 1) % every == 0 and print(
                           f"{tag} round {r + 1}/{rounds}", file=sys.stderr, flush=True))
     if base.error is not None:

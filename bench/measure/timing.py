@@ -16,11 +16,11 @@ once (paper-sized models on one GPU), the idle side is parked in host memory bet
 blocks (`Side.park`): the move is not timed, and the pairing is kept. Both stay resident
 when they fit (`must_park`), since a move per block costs more than the steps it brackets.
 
-A panel is the same design with several methods beside one baseline: every round runs
-each side once, in a random order, and each method's ratio is taken to the baseline's
-block of the same round. The baseline is timed once per round for all of them instead of
-once per method (half the steps of separate pairs, for the same rounds); a side that
-fails leaves the rounds, and the others go on.
+A panel is the same design with several methods beside one baseline: each round shuffles
+the methods and runs them in pairs around one baseline block (method, baseline, method),
+so every method block touches a baseline block, and each method's ratio is taken to that
+block. The baseline runs once per two methods instead of once per method (3/4 of the
+steps of separate pairs). A method that fails leaves the rounds; the others go on.
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ class Side:
     name: str
     step: callable  # runs one training step, returns the loss
     tensors: callable = None  # every tensor the side keeps (to park it), or None
-    times: list = field(default_factory=list)  # mean step time of each round, seconds
+    times: list = field(default_factory=list)  # mean step time of each block, seconds
+    base_times: list = field(default_factory=list)  # a method's adjacent baseline blocks
     error: Exception | None = None  # why the side left the rounds, if it did
 
     def park(self, device: str) -> None:
@@ -72,52 +73,69 @@ def must_park(device: str, headroom: float = 0.8) -> bool:
     return resident + peak > headroom * torch.cuda.get_device_properties(device).total_memory
 
 
-def interleave(sides: list[Side], rounds: int, steps_per_round: int, seed: int = 0,
-               sync=lambda: None, park_to: str | None = None, home: str | None = None,
-               check=lambda loss, i: None, essential: Side | None = None, progress=None) -> None:
-    """Time `rounds` rounds of `steps_per_round` steps of each side, in a random order per
-    round; each side's mean step time per round goes to its `times`. A side whose step
-    raises (or whose loss `check` rejects) keeps the exception in `error` and leaves the
-    rounds; if it is `essential` (the baseline), the rounds stop. With `park_to`, the sides
-    not being timed wait there (the timed one is moved back to `home` first, untimed).
-    `progress(r)` is called after each round."""
+def interleave(methods: list[Side], baseline: Side, rounds: int, steps_per_round: int,
+               seed: int = 0, sync=lambda: None, park_to: str | None = None,
+               home: str | None = None, check=lambda loss, i: None, progress=None) -> None:
+    """Time `rounds` rounds of `steps_per_round` steps of each method beside `baseline`.
+    Each round shuffles the methods (seeded) and runs them in pairs around one baseline
+    block, method-baseline-method, so that every method block touches a baseline block;
+    a lone method runs before or after its baseline block at random. Each side's mean step
+    time per block goes to its `times`, and a method's adjacent baseline block's to its
+    `base_times`. A method whose step raises (or whose loss `check` rejects) keeps the
+    exception in `error` and leaves the rounds; if the baseline fails, the rounds stop.
+    With `park_to`, the sides not being timed wait there (the timed one is moved back to
+    `home` first, untimed). `progress(r)` is called after each round."""
     rng = random.Random(seed)
+
+    def block(side: Side, r: int) -> float | None:
+        if park_to:
+            for other in [*methods, baseline]:
+                if other is not side:
+                    other.park(park_to)
+            side.park(home)
+        try:
+            sync()
+            t0 = time.perf_counter()
+            for i in range(steps_per_round):
+                loss = side.step()
+            sync()
+            t = (time.perf_counter() - t0) / steps_per_round
+            check(loss, r)
+        except Exception as e:  # this side's failure is its result; the others go on
+            side.error = e
+            return None
+        side.times.append(t)
+        return t
+
     for r in range(rounds):
-        order = [s for s in sides if s.error is None]
+        order = [m for m in methods if m.error is None]
         rng.shuffle(order)
-        for side in order:
-            if park_to:
-                for other in sides:
-                    if other is not side:
-                        other.park(park_to)
-                side.park(home)
-            try:
-                sync()
-                t0 = time.perf_counter()
-                for i in range(steps_per_round):
-                    loss = side.step()
-                sync()
-                side.times.append((time.perf_counter() - t0) / steps_per_round)
-                check(loss, r)
-            except Exception as e:  # this side's failure is its result; the others go on
-                side.error = e
-                if side is essential:
-                    return
+        for i in range(0, len(order), 2):
+            pair = order[i:i + 2]
+            before, after = (pair[:1], pair[1:]) if len(pair) == 2 or rng.random() < 0.5 else ([], pair)
+            timed = [(m, block(m, r)) for m in before]
+            tb = block(baseline, r)
+            if tb is None:
+                return
+            timed += [(m, block(m, r)) for m in after]
+            for m, t in timed:
+                if t is not None:
+                    m.base_times.append(tb)
         if progress:
             progress(r)
 
 
 def summary(a: Side, b: Side, tokens_per_step: int, seed: int = 0) -> dict:
-    """The paired result: ratio median and interval, each side's median tokens/s (`a` and
-    `b` timed in the same rounds)."""
-    ratios = [tb / ta for ta, tb in zip(a.times, b.times)]
+    """The paired result of method `a` beside baseline `b`: ratio median and interval over
+    rounds (a's block against its adjacent baseline block), each side's median tokens/s."""
+    ratios = [tb / ta for ta, tb in zip(a.times, a.base_times)]
     ratio, lo, hi = bootstrap_median(ratios, seed)
     qa = statistics.quantiles(a.times, n=4) if len(a.times) > 1 else [a.times[0]] * 3
     return {"tokens_per_s": tokens_per_step / statistics.median(a.times),
             "baseline": b.name,
-            "baseline_tokens_per_s": tokens_per_step / statistics.median(b.times),
+            "baseline_tokens_per_s": tokens_per_step / statistics.median(a.base_times),
             "throughput_ratio": ratio, "throughput_ratio_lo": lo, "throughput_ratio_hi": hi,
             "step_time_median_s": statistics.median(a.times), "step_time_q1_s": qa[0],
             "step_time_q3_s": qa[2], "round_step_times_s": a.times,
-            "baseline_round_step_times_s": b.times, "round_ratios": ratios,
+            "baseline_round_step_times_s": a.base_times, "round_ratios": ratios,
             "tokens_per_step": tokens_per_step}

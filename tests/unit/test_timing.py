@@ -48,7 +48,7 @@ def test_interleave_times_every_round_of_both_sides_in_a_seeded_order():
     calls = []
     a = timing.Side("a", lambda: calls.append("a"))
     b = timing.Side("b", lambda: calls.append("b"))
-    timing.interleave([a, b], rounds=6, steps_per_round=2, seed=3)
+    timing.interleave([a], b, rounds=6, steps_per_round=2, seed=3)
     assert len(a.times) == len(b.times) == 6 and calls.count("a") == calls.count("b") == 12
     blocks = [calls[i] for i in range(0, len(calls), 2)]
     assert {tuple(blocks[i:i + 2]) for i in range(0, 12, 2)} == {("a", "b"), ("b", "a")}
@@ -67,26 +67,48 @@ def test_a_method_paired_with_itself_is_about_as_fast(tiny_job, method):
     assert 0.67 < t["throughput_ratio"] < 1.5
 
 
-def test_interleave_runs_each_side_once_per_round_and_drops_a_failing_one():
-    calls = []
+def test_every_method_block_touches_the_baseline_block_its_ratio_uses():
+    calls, clock = [], [0.0]
+
+    def stepper(name, cost):
+        def step():
+            calls.append(name)
+            clock[0] += cost
+        return step
+
+    methods = [timing.Side(n, stepper(n, 1.0)) for n in "abcde"]
+    base = timing.Side("B", stepper("B", 2.0))
+    timing.interleave(methods, base, rounds=8, steps_per_round=1, seed=0)
+    # per round: 5 method blocks, 3 baseline blocks (one per pair, one for the lone method)
+    assert len(calls) == 8 * 8 and calls.count("B") == 24
+    for r in range(8):
+        block = calls[8 * r: 8 * r + 8]
+        assert sorted(c for c in block if c != "B") == list("abcde")
+        for i, c in enumerate(block):
+            if c != "B":  # a neighbour is a baseline block
+                assert "B" in block[max(0, i - 1): i] + block[i + 1: i + 2]
+    for m in methods:
+        assert len(m.times) == len(m.base_times) == 8
+
+
+def test_a_failing_method_leaves_the_rounds_and_a_failing_baseline_stops_them():
+    count = [0]
 
     def failing():
-        calls.append("x")
-        if calls.count("x") == 3:
+        count[0] += 1
+        if count[0] == 3:
             raise RuntimeError("third step fails")
 
-    sides = [timing.Side(n, lambda n=n: calls.append(n)) for n in "abc"]
+    ok = [timing.Side(n, lambda: None) for n in "ab"]
     x = timing.Side("x", failing)
-    timing.interleave([*sides, x], rounds=5, steps_per_round=1, seed=0)
-    assert all(len(s.times) == 5 for s in sides) and len(x.times) == 2
-    assert "third step" in str(x.error) and calls.count("x") == 3
-    # every round is a permutation of the sides still in it
-    assert sorted(calls[:4]) == ["a", "b", "c", "x"]
+    timing.interleave([*ok, x], timing.Side("B", lambda: None), rounds=5, steps_per_round=1)
+    assert all(len(s.times) == len(s.base_times) == 5 for s in ok)
+    assert len(x.times) == len(x.base_times) == 2 and "third step" in str(x.error)
 
-    base = timing.Side("base", lambda: (_ for _ in ()).throw(RuntimeError("baseline fails")))
+    base = timing.Side("B", lambda: (_ for _ in ()).throw(RuntimeError("baseline fails")))
     other = timing.Side("other", lambda: None)
-    timing.interleave([other, base], rounds=5, steps_per_round=1, seed=0, essential=base)
-    assert base.error is not None and len(other.times) <= 1  # the rounds stop with it
+    timing.interleave([other], base, rounds=5, steps_per_round=1, seed=0)
+    assert base.error is not None and other.base_times == [] and len(other.times) <= 1
 
 
 class FailsLater(Method):
@@ -111,11 +133,10 @@ def test_a_panel_shares_one_baseline_and_isolates_a_failure(tiny_job):
                                   (jobs[2], FailsLater())])
     ok = out[:2]
     assert all(isinstance(r, dict) for r in ok) and isinstance(out[2], RuntimeError)
-    base = ok[0]["throughput"]["baseline_round_step_times_s"]
-    assert len(base) == 6 and ok[1]["throughput"]["baseline_round_step_times_s"] == base
     for r in ok:
         t = r["throughput"]
-        assert t["panel_size"] == 3 and t["baseline"] == "adamw"
+        base = t["baseline_round_step_times_s"]
+        assert t["panel_size"] == 3 and t["baseline"] == "adamw" and len(base) == 6
         assert t["round_ratios"] == [b / a for a, b in zip(t["round_step_times_s"], base)]
         assert t["throughput_ratio_lo"] <= t["throughput_ratio"] <= t["throughput_ratio_hi"]
     # grad_accum's 4 micro-batches of 1 sequence against one batch of 4: slower, never faster
@@ -136,5 +157,6 @@ def test_many_times_a_group_of_throughput_jobs_as_one_panel(tmp_path):
     assert [r["status"] for r in records] == ["ok"] * 3
     a, g = (r["throughput"] for r in records[:2])
     assert a["panel_size"] == g["panel_size"] == 2
+    # two methods, one baseline block per round between them: both ratios use it
     assert a["baseline_round_step_times_s"] == g["baseline_round_step_times_s"]
     assert "memory" in records[2] and "one panel" in done.stderr
