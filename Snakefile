@@ -77,7 +77,8 @@ for gid, paths in GROUPS.items():
         params: jobs=json.dumps([{"args": JOBS[p], "out": p} for p in paths], separators=(",", ":"))
         # timed jobs run alone, on every core: nothing else competes with the clock (beside
         # another job on 2 cores, two quick runs' ratios differed by a median |log| 0.035;
-        # alone, 0.022-0.023: results/reference/cpu-2core/README.md)
+        # alone, 0.021-0.023: results/reference/cpu-2core/README.md); a group's throughput
+        # jobs are one panel beside one baseline (bench.measure.timing)
         threads: all_cores if kind == "throughput" else 1
         resources:
             gpu=1 if CUDA else 0,  # becomes --gpus=1 under SLURM: one job per GPU
