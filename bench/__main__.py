@@ -178,8 +178,9 @@ def many(argv: list[str]) -> int:
     after another (one start-up of torch for all of them); JOBS.json is a list of
     {"args": [...the arguments of one job...], "out": "result.json"}. Each result is
     written atomically as soon as its job ends, so an interrupted group keeps the results
-    it finished. CUDA jobs each run in a fresh process (the allocator's peak must start
-    from nothing)."""
+    it finished. CPU throughput jobs that differ only in their method are timed together,
+    as one panel beside one baseline (`panels`). CUDA jobs each run in a fresh process
+    (the allocator's peak must start from nothing)."""
     p = argparse.ArgumentParser(prog="python -m bench many", description=many.__doc__)
     p.add_argument("jobs", nargs="?", help="a JSON file: a list of {args, out}")
     p.add_argument("--jobs-json", help="the same list as JSON text (instead of a file)")
