@@ -50,7 +50,9 @@ def table(summary: pd.DataFrame) -> pd.DataFrame:
 def figure(summary: pd.DataFrame) -> plt.Figure:
     rows = table(summary)
     drawn = rows.dropna(subset=["est_h100_tokens_per_s"])
-    calibrated = bool(drawn["est_h100_calibrated"].fillna(0).astype(bool).all()) and len(drawn)
+    # rows where nothing fits carry no estimate, so no calibration flag: they do not count
+    flags = drawn["est_h100_calibrated"].dropna().astype(bool)
+    calibrated = bool(len(flags)) and bool(flags.all())
     label = f"estimated, {'calibrated' if calibrated else 'uncalibrated'}, {GPUS[GPU].name}"
     title = f"Tokens/s at the largest batch that fits\n({label})"
     if drawn.empty:
