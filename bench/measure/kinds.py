@@ -129,9 +129,9 @@ def throughput_panel(entries: list[tuple[Job, Method]]) -> list[dict | Exception
     baseline = load(job.baseline, same[0] if same else None)
     built: list = []  # per entry: its Side, or the exception that stopped it
     n_params, park = [], False
-    for j, m in [*entries, (job, baseline)]:
+    for j, m, name in [*((j, m, j.method) for j, m in entries), (job, baseline, job.baseline)]:
         try:  # same seed: the same initial weights and batch on every side
-            side, n = _side(j, m, j.method if m is not baseline else job.baseline, cuda)
+            side, n = _side(j, m, name, cuda)
             if cuda and not built:  # after the first side's warm-up
                 park = timing.must_park(job.device)
             if park:  # one side on the GPU at a time: the others wait in host memory

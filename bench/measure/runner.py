@@ -45,7 +45,7 @@ def run(job: Job, method: Method | None = None) -> dict:
             raise ValueError(f"unknown kind {job.kind!r}; known: {', '.join(KINDS)}")
         m = method or load(job.method, job.hparams)
         loaded.append(m)
-        record["hparams"] = {k: list(v) if isinstance(v, tuple) else v for k, v in m.hp.items()}
+        record["hparams"] = _hparams(m)
         if job.simulate and (job.kind not in ("memory", "capacity", "model_capacity")
                              or job.device != "cpu"):
             raise ValueError("simulate applies to memory and capacity jobs on the cpu device "
@@ -70,7 +70,7 @@ def run_panel(jobs: list[Job]) -> list[dict]:
     out = []
     for job, m, outcome in zip(jobs, methods, outcomes):
         record = {"schema_version": records.SCHEMA_VERSION, "job": asdict(job),
-                  "hparams": {k: list(v) if isinstance(v, tuple) else v for k, v in m.hp.items()}}
+                  "hparams": _hparams(m)}
 
         def result(outcome=outcome):
             if isinstance(outcome, Exception):
@@ -82,6 +82,11 @@ def run_panel(jobs: list[Job]) -> list[dict]:
     for record in out:
         record["wall_time_s"] /= len(out)
     return out
+
+
+def _hparams(method: Method) -> dict:
+    """The method's hyperparameters as the result records them (tuples as JSON lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in method.hp.items()}
 
 
 def _finish(record: dict, job: Job, method: Method | None, started: float) -> dict:
