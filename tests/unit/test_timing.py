@@ -7,11 +7,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from bench.measure import kinds, runner, timing
 from bench.method import Method, load
-from tests.conftest import REPO
+from conftest import REPO
 
 
 def drifting_pair(rng: random.Random, ratio: float, rounds: int):
