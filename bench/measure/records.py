@@ -48,13 +48,34 @@ def device_info(device: str) -> dict:
             driver = "unknown"
         return {"device_name": props.name, "device_memory_bytes": int(props.total_memory),
                 "cuda_version": torch.version.cuda, "driver_version": driver}
-    name = platform.processor() or platform.machine()
+    info = cpu_fields()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    return {"device_name": f"{name} ({os.cpu_count()} cores)", "cpu_id": cpu_id(info)}
+
+
+def cpu_fields() -> dict:
+    """The first processor's fields in /proc/cpuinfo ({} where there is none)."""
+    out = {}
     try:
         with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                out[key.strip()] = value.strip()
+    except OSError:
         pass
-    return {"device_name": f"{name} ({os.cpu_count()} cores)"}
+    return out
+
+
+def cpu_id(info: dict) -> str | None:
+    """What tells two CPUs of one model name apart (a virtual machine's name is often just
+    the vendor's line, e.g. "AMD EPYC"): family, model and stepping (the generation) and the
+    clock. Two 2-core hosts both named "AMD EPYC (2 cores)" ran the quick suite 2x apart."""
+    parts = [f"{k} {info[k]}" for k in ("cpu family", "model", "stepping") if k in info]
+    if "cpu MHz" in info:
+        parts.append(f"{float(info['cpu MHz']):.0f} MHz")
+    return ", ".join(parts) or None
 
 
 def provenance(device: str) -> dict:

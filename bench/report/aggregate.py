@@ -17,7 +17,7 @@ from bench.models import family
 
 SUMMARY_COLUMNS = [
     "kind", "method", "model", "family", "n_params", "batch_size", "micro_batches", "seq_len",
-    "dtype", "device", "device_name", "memory_tier", "capacity_gb", "peak_bytes", "param_bytes",
+    "dtype", "device", "device_name", "cpu_id", "memory_tier", "capacity_gb", "peak_bytes", "param_bytes",
     "grad_bytes", "optimizer_bytes", "activation_bytes", "other_bytes", "first_step_peak_bytes",
     "reserved_peak_bytes", "alloc_retries", "tokens_per_s", "baseline", "baseline_tokens_per_s",
     "throughput_ratio", "throughput_ratio_lo", "throughput_ratio_hi", "step_time_median_s",
@@ -41,7 +41,7 @@ def summary_row(record: dict, path: str) -> dict:
         "family": family(job["model"]), "n_params": record.get("n_params"),
         "batch_size": job["batch_size"], "micro_batches": hp.get("micro_batches"),
         "seq_len": job["seq_len"], "dtype": job["dtype"], "device": job["device"],
-        "device_name": prov.get("device_name"), "memory_tier": mem.get("tier"),
+        "device_name": prov.get("device_name"), "cpu_id": prov.get("cpu_id"), "memory_tier": mem.get("tier"),
         "capacity_gb": job.get("capacity_gb"),
         **{k: mem.get(k) for k in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
                                    "activation_bytes", "other_bytes", "reserved_peak_bytes",

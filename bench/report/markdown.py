@@ -100,6 +100,7 @@ def provenance(summary: pd.DataFrame, source: str) -> str:
         f"- commit(s): {values('commit')}",
         f"- torch version(s): {values('torch_version')}",
         f"- device(s): {', '.join(devices) or 'unknown'}",
+        *([f"- CPU(s): {values('cpu_id')}"] if "cpu_id" in summary else []),
         f"- memory tier(s): {values('memory_tier')}",
         f"- dates: {span}",
         f"- jobs: {len(summary)}" + (f" ({by_kind})" if by_kind else ""),

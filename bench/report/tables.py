@@ -21,7 +21,7 @@ THROUGHPUT_CELL = ["model", "batch_size", "seq_len", "device"]
 CONVERGENCE_CELL = ["task", "model"]
 
 TEXT_COLUMNS = ["kind", "method", "model", "largest_model", "family", "dtype", "device", "device_name",
-                "memory_tier", "task", "status", "message", "commit", "torch_version", "date"]
+                "cpu_id", "memory_tier", "task", "status", "message", "commit", "torch_version", "date"]
 
 
 # ----------------------------------------------------------------------------- data

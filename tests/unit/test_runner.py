@@ -32,6 +32,17 @@ def test_memory_record_is_complete_and_adds_up(tiny_job):
     json.dumps(record, allow_nan=False)
 
 
+def test_cpu_id_tells_hosts_of_one_model_name_apart():
+    from bench.measure import records
+
+    info = {"model name": "AMD EPYC", "cpu family": "26", "model": "2", "stepping": "1",
+            "cpu MHz": "2596.100"}
+    assert records.cpu_id(info) == "cpu family 26, model 2, stepping 1, 2596 MHz"
+    assert records.cpu_id({"model name": "AMD EPYC"}) is None  # nothing to tell them apart by
+    if records.cpu_fields():  # a Linux host: the record carries it
+        assert records.device_info("cpu")["cpu_id"] == records.cpu_id(records.cpu_fields())
+
+
 def _tiny_model():
     from bench import models
     return models.build("gpt2-tiny")
