@@ -50,14 +50,30 @@ FAIL_COLOR = "#b2182b"
 # ----------------------------------------------------------------------------- colours
 
 
+def _palette_size(n: int) -> int:
+    # ten distinct colour-blind-safe colours; beyond that, twenty (markers also differ)
+    return 10 if n <= 10 else 20
+
+
 def method_colors(methods) -> dict[str, tuple]:
     """A stable colour per method; the baseline is dark grey."""
     others = [m for m in method_order(methods) if m != BASELINE]
-    # ten distinct colour-blind-safe colours; beyond that, twenty (markers also differ)
-    palette = sns.color_palette("colorblind" if len(others) <= 10 else "tab20", max(len(others), 1))
-    colors = {m: palette[i % len(palette)] for i, m in enumerate(others)}
+    size = _palette_size(len(others))
+    palette = sns.color_palette("colorblind" if size == 10 else "tab20", max(len(others), 1))
+    colors = {m: palette[i % size] for i, m in enumerate(others)}
     colors[BASELINE] = (0.25, 0.25, 0.25)
     return colors
+
+
+def method_linestyles(methods) -> dict[str, str]:
+    """A line style per method such that no two methods share colour and style: beyond the
+    palette's size a colour comes back, with the next style (neighbours, whose tab20
+    colours are one hue light and dark, differ in style too); the baseline is solid."""
+    others = [m for m in method_order(methods) if m != BASELINE]
+    size = _palette_size(len(others))
+    styles = {m: LINESTYLES[(i + i // size) % len(LINESTYLES)] for i, m in enumerate(others)}
+    styles[BASELINE] = "-"
+    return styles
 
 
 def category_colors() -> dict[str, tuple]:
@@ -349,9 +365,9 @@ def figure_convergence(summary: pd.DataFrame, curves: pd.DataFrame) -> plt.Figur
         return no_data_figure(title, "no convergence jobs in the summary or curves")
     models = model_order(summary, [k[1] for k in keys])
     panels = sorted(keys, key=lambda k: (str(k[0]), models.index(k[1])))
-    colors = method_colors(method_order(set(summary["method"]) | set(curves["method"])))
+    every = method_order(set(summary["method"]) | set(curves["method"]))
+    colors, styles = method_colors(every), method_linestyles(every)
     all_methods = method_order(set(conv["method"]) | set(curves["method"]))
-    styles = {m: LINESTYLES[i % len(LINESTYLES)] for i, m in enumerate(all_methods)}
     fig, axes = _grid(len(panels), 2, 6.4, 4.6)
     windows, drawn = set(), set()
     floor_drawn = False

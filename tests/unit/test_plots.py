@@ -233,3 +233,13 @@ def test_largest_model_table_report_figure_and_claim(tmp_path):
     ours = claim_table(summary, [claim]).iloc[0]  # at 24 GiB adama is at the ladder's top
     assert ours["n"] == 1 and ours["ours"] == ("2.00x to 2.00x (16 GiB from toy-tiny at batch 8: "
                                                "100 M -> 200 M)")
+
+
+@pytest.mark.parametrize("n", [5, 12, 33])
+def test_no_two_methods_share_colour_and_line_style(n):
+    """The convergence figure tells its curves apart by colour and line style; beyond the
+    palette's ten or twenty colours a colour comes back, never with the same style."""
+    methods = ["adamw"] + [f"m{i:02d}" for i in range(n - 1)]
+    colors, styles = plots.method_colors(methods), plots.method_linestyles(methods)
+    pairs = {(colors[m], styles[m]) for m in methods}
+    assert len(pairs) == n
