@@ -23,17 +23,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
 
 from bench.estimate import GPUS  # noqa: E402
 from bench.measure.records import atomic_path  # noqa: E402
-from bench.report.tables import BASELINE, method_order, model_order, read_summary  # noqa: E402
+from bench.report.style import FAIL_COLOR, LINESTYLES, MARKERS, method_colors, nudge  # noqa: E402
+from bench.report.tables import method_order, model_order, read_summary  # noqa: E402
 
 NAME = "throughput_capacity"
 GPU = "h100-sxm-80gb"  # the summary's est_h100_* columns
-MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p"]
-LINESTYLES = ["-", "--", ":", "-."]
-FAIL_COLOR = "#b2182b"
 
 
 def table(summary: pd.DataFrame) -> pd.DataFrame:
@@ -65,10 +62,7 @@ def figure(summary: pd.DataFrame) -> plt.Figure:
                 transform=ax.transAxes, wrap=True)
         return fig
     methods = method_order(drawn["method"])
-    others = [m for m in methods if m != BASELINE]
-    palette = sns.color_palette("colorblind" if len(others) <= 10 else "tab20", max(len(others), 1))
-    colors = {m: palette[i % len(palette)] for i, m in enumerate(others)}
-    colors[BASELINE] = (0.25, 0.25, 0.25)
+    colors = method_colors(methods)
     models = model_order(summary, drawn["model"])
     cells = (drawn.assign(_m=drawn["model"].map(models.index)).sort_values(["_m", "seq_len"])
              [["model", "seq_len", "dtype"]].drop_duplicates().to_dict("records"))
@@ -87,7 +81,7 @@ def figure(summary: pd.DataFrame) -> plt.Figure:
             r = part[part["method"] == method].sort_values("capacity_gb")
             if r.empty:
                 continue
-            x = r["capacity_gb"] * 1.025 ** (i - (len(methods) - 1) / 2)  # equal answers stay visible
+            x = r["capacity_gb"] * nudge(i, len(methods))  # equal answers stay visible
             y = r["est_h100_tokens_per_s"].where(r["est_h100_tokens_per_s"] > 0, floor)
             ax.plot(x, y, color=colors[method], marker=MARKERS[i % len(MARKERS)],
                     linestyle=LINESTYLES[i % len(LINESTYLES)], linewidth=1.4, markersize=5,

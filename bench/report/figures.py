@@ -36,44 +36,17 @@ from bench.report.tables import (BASELINE, CATEGORIES,  # noqa: E402
                           convergence_table, largest_model_table, memory_table, method_order,
                           model_order, overview_table, parameters_text, read_curves, read_summary,
                           status_text, throughput_table)
+from bench.report.style import (FAIL_COLOR, LINESTYLES, MARKERS, method_colors,  # noqa: E402
+                                method_linestyles, nudge)
 
 FIGURES = ["overview", "memory_breakdown", "throughput_relative", "convergence",
            "capacity_batch", "capacity_model", "throughput_capacity"]
 
 DPI = 150
 SMOOTH_POINTS = 50          # curves longer than this get a rolling mean over len // this steps
-MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p"]
-LINESTYLES = ["-", "--", ":", "-."]
-FAIL_COLOR = "#b2182b"
 
 
 # ----------------------------------------------------------------------------- colours
-
-
-def _palette_size(n: int) -> int:
-    # ten distinct colour-blind-safe colours; beyond that, twenty (markers also differ)
-    return 10 if n <= 10 else 20
-
-
-def method_colors(methods) -> dict[str, tuple]:
-    """A stable colour per method; the baseline is dark grey."""
-    others = [m for m in method_order(methods) if m != BASELINE]
-    size = _palette_size(len(others))
-    palette = sns.color_palette("colorblind" if size == 10 else "tab20", max(len(others), 1))
-    colors = {m: palette[i % size] for i, m in enumerate(others)}
-    colors[BASELINE] = (0.25, 0.25, 0.25)
-    return colors
-
-
-def method_linestyles(methods) -> dict[str, str]:
-    """A line style per method such that no two methods share colour and style: beyond the
-    palette's size a colour comes back, with the next style (neighbours, whose tab20
-    colours are one hue light and dark, differ in style too); the baseline is solid."""
-    others = [m for m in method_order(methods) if m != BASELINE]
-    size = _palette_size(len(others))
-    styles = {m: LINESTYLES[(i + i // size) % len(LINESTYLES)] for i, m in enumerate(others)}
-    styles[BASELINE] = "-"
-    return styles
 
 
 def category_colors() -> dict[str, tuple]:
@@ -635,7 +608,7 @@ def _capacity_lines(ax, part: pd.DataFrame, x: str, y: str, methods, colors, flo
         rows = part[part["method"] == method].sort_values(x)
         if rows.empty:
             continue
-        rows = rows.assign(**{x: rows[x] * 1.025 ** (i - (len(methods) - 1) / 2)})
+        rows = rows.assign(**{x: rows[x] * nudge(i, len(methods))})
         values = rows[y].astype(float).where(rows[y] > 0, floor)
         ax.plot(rows[x], values, color=colors[method], marker=MARKERS[i % len(MARKERS)],
                 linestyle=LINESTYLES[i % len(LINESTYLES)], linewidth=1.4, markersize=5,
@@ -679,10 +652,12 @@ def figure_capacity_batch(summary: pd.DataFrame) -> plt.Figure:
                      "Each point is a search's answer: that batch fits and the next one (one "
                      "more micro-batch) does not, both run. x on the floor: not even one "
                      "micro-batch fits. Open triangle: the search's largest batch fitted, so the "
-                     "answer is at least that. Simulated tier: what a CUDA GPU needs is "
-                     "predicted by replaying the step's allocations through a model of "
-                     "PyTorch's caching allocator, plus 0.5 GiB of CUDA context (an assumption, "
-                     "not yet calibrated on a GPU).", methods, colors, failed, "on")
+                     "answer is at least that." + (
+                         " Simulated tier: what a CUDA GPU needs is predicted by replaying the "
+                         "step's allocations through a model of PyTorch's caching allocator, "
+                         "plus 0.5 GiB of CUDA context (an assumption, not yet measured on a GPU)."
+                         if (table["memory_tier"] == "simulated").any() else ""),
+                     methods, colors, failed, "on")
     return fig
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bench.report import markdown as paper, figures as plots
+from bench.report import markdown as paper, figures as plots, style
 from bench.report.aggregate import CURVE_COLUMNS, SUMMARY_COLUMNS
 
 MIB = 2 ** 20
@@ -240,6 +240,13 @@ def test_no_two_methods_share_colour_and_line_style(n):
     """The convergence figure tells its curves apart by colour and line style; beyond the
     palette's ten or twenty colours a colour comes back, never with the same style."""
     methods = ["adamw"] + [f"m{i:02d}" for i in range(n - 1)]
-    colors, styles = plots.method_colors(methods), plots.method_linestyles(methods)
+    colors, styles = style.method_colors(methods), style.method_linestyles(methods)
     pairs = {(colors[m], styles[m]) for m in methods}
     assert len(pairs) == n
+
+
+@pytest.mark.parametrize("n", [1, 3, 32])
+def test_nudged_points_stay_near_their_memory_size(n):
+    factors = [style.nudge(i, n) for i in range(n)]
+    assert all(a < b for a, b in zip(factors, factors[1:]))  # apart, in order
+    assert 0.88 < min(factors) <= 1 <= max(factors) < 1.13

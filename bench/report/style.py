@@ -1,0 +1,46 @@
+"""How the figures tell methods apart: a colour, a line style and a marker per method, the
+colour of a failure, and the nudge that keeps equal answers visible on a log axis."""
+from __future__ import annotations
+
+import seaborn as sns
+
+from bench.report.tables import BASELINE, method_order
+
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p"]
+LINESTYLES = ["-", "--", ":", "-."]
+FAIL_COLOR = "#b2182b"
+BASELINE_COLOR = (0.25, 0.25, 0.25)
+
+
+def _palette_size(n: int) -> int:
+    # ten distinct colour-blind-safe colours; beyond that, twenty (markers also differ)
+    return 10 if n <= 10 else 20
+
+
+def method_colors(methods) -> dict[str, tuple]:
+    """A stable colour per method; the baseline is dark grey."""
+    others = [m for m in method_order(methods) if m != BASELINE]
+    size = _palette_size(len(others))
+    palette = sns.color_palette("colorblind" if size == 10 else "tab20", size)
+    colors = {m: palette[i % size] for i, m in enumerate(others)}
+    colors[BASELINE] = BASELINE_COLOR
+    return colors
+
+
+def method_linestyles(methods) -> dict[str, str]:
+    """A line style per method such that no two methods share colour and style: beyond the
+    palette's size a colour comes back, with the next style (neighbours, whose tab20
+    colours are one hue light and dark, differ in style too); the baseline is solid."""
+    others = [m for m in method_order(methods) if m != BASELINE]
+    size = _palette_size(len(others))
+    styles = {m: LINESTYLES[(i + i // size) % len(LINESTYLES)] for i, m in enumerate(others)}
+    styles[BASELINE] = "-"
+    return styles
+
+
+def nudge(i: int, n: int) -> float:
+    """The factor that moves method i of n along a log axis so that equal answers stay
+    visible: 2.5% apart, all n within +-12% of the true value (32 methods nudged 2.5% apart
+    drew a 0.02 GiB answer at 0.009 GiB)."""
+    step = min(1.025, 1.25 ** (1 / max(n - 1, 1)))
+    return step ** (i - (n - 1) / 2)
