@@ -489,6 +489,10 @@ def _overview_scatter(ax, table: pd.DataFrame, colors, markers) -> None:
     ax.scatter([1.0], [1.0], s=90, color=colors[BASELINE], marker="*", zorder=3)
     ax.annotate(BASELINE, (1.0, 1.0), xytext=(-5, 6), textcoords="offset points", fontsize=9,
                 ha="right")
+    # beyond twenty methods colours come back: each measured point also carries its
+    # method's number, which the legend spells out
+    number = {m: i + 1 for i, m in enumerate(
+        m for m in method_order(table["method"]) if m != BASELINE)}
     for r in table.itertuples():
         if pd.isna(r.mem_ratio) and pd.isna(r.thr_ratio):
             continue
@@ -500,6 +504,9 @@ def _overview_scatter(ax, table: pd.DataFrame, colors, markers) -> None:
                             color=colors[r.method], lw=1, capsize=2, zorder=2)
             ax.scatter(r.mem_ratio, r.thr_ratio, color=colors[r.method], edgecolor="black",
                        **style)
+            if r.method in number:
+                ax.annotate(str(number[r.method]), (r.mem_ratio, r.thr_ratio), xytext=(5, 3),
+                            textcoords="offset points", fontsize=7, color="0.15", zorder=4)
         elif pd.notna(r.mem_ratio):
             ax.scatter(r.mem_ratio, strip / 2, transform=ax.get_xaxis_transform(),
                        facecolor="none", edgecolor=colors[r.method], **style)
@@ -529,14 +536,16 @@ def _overview_scatter(ax, table: pd.DataFrame, colors, markers) -> None:
                 color=FAIL_COLOR)
         return
     methods = [m for m in method_order(shown["method"])]
-    leg = ax.legend(handles=[Line2D([], [], ls="", marker="o", color=colors[m], label=m)
-                             for m in methods], title="method (colour)", fontsize=8.5,
-                    title_fontsize=8.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    # the wide legend last: tight_layout makes room for an axes' own legend
+    leg = ax.legend(handles=[Line2D([], [], ls="", marker=markers[m], color="0.4", label=m)
+                             for m in markers if m in set(shown["model"])],
+                    title="model (shape)", fontsize=8.5, title_fontsize=8.5, loc="lower left",
+                    bbox_to_anchor=(1.01, 0.0))
     ax.add_artist(leg)
-    ax.legend(handles=[Line2D([], [], ls="", marker=markers[m], color="0.4", label=m)
-                       for m in markers if m in set(shown["model"])],
-              title="model (shape)", fontsize=8.5, title_fontsize=8.5, loc="lower left",
-              bbox_to_anchor=(1.01, 0.0))
+    ax.legend(handles=[Line2D([], [], ls="", marker="o", color=colors[m],
+                              label=f"{number[m]} {m}" if m in number else m)
+                       for m in methods], title="method (colour, number)", fontsize=8.5,
+              title_fontsize=8.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def _overview_loss_gap(ax, conv: pd.DataFrame, conv_ok: pd.DataFrame, colors) -> None:
