@@ -35,8 +35,9 @@ Choices where Mesa differs or leaves freedom:
   and a hard error bound; they cost one min/max pass per saved tensor.
 - Rounding: to nearest (Mesa's kernel rounds stochastically: unbiased, but with up to a
   whole step of error); here deterministic, within half a step.
-- (De)quantizing runs in chunks of `CHUNK_ELEMENTS` (2^20) elements, so its float
-  temporaries stay small whatever the size of the saved tensor.
+- (De)quantizing runs in chunks of `CHUNK_ELEMENTS` (2^20) elements, or of 1/`PIECES` of
+  a tensor larger than PIECES chunks, so its float temporaries stay small whatever the
+  size of the saved tensor, and a paper-sized one takes a bounded number of operations.
 - What is not quantized (kept as saved, counted in `report`):
   parameters and buffers (a Linear's weight is kept by the model anyway: quantizing it would
   add memory), found by storage, so views such as W^T are recognised; integer and bool
@@ -70,7 +71,8 @@ import torch.nn.functional as F
 from bench.method import Method
 
 LEVELS = 256
-CHUNK_ELEMENTS = 2**20
+CHUNK_ELEMENTS = 2**20  # elements per chunk, at least
+PIECES = 16  # chunks of a larger tensor, at most
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -82,11 +84,11 @@ def _step(lo: torch.Tensor, hi: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
     return torch.where(step == 0, 1, step)
 
 
-def _chunks(n_groups: int, group_size: int):
-    """Group ranges of about CHUNK_ELEMENTS elements: the float temporaries of (de)quantizing
-    stay that small whatever the tensor's size."""
-    step = max(1, CHUNK_ELEMENTS // group_size)
-    return [(s, min(s + step, n_groups)) for s in range(0, n_groups, step)]
+def _chunk_groups(n_groups: int, group_size: int) -> int:
+    """Groups per chunk: about CHUNK_ELEMENTS elements, or 1/PIECES of a larger tensor; the
+    float temporaries of (de)quantizing stay that small whatever the tensor's size."""
+    elements = max(CHUNK_ELEMENTS, -(-n_groups * group_size // PIECES))
+    return max(1, elements // group_size)
 
 
 def quantize(x: torch.Tensor, group_size: int):
@@ -101,9 +103,11 @@ def quantize(x: torch.Tensor, group_size: int):
     cd = _compute_dtype(x.dtype)
     step = _step(lo, hi, cd)[:, None]
     codes = torch.empty(groups.shape, dtype=torch.uint8, device=x.device)
-    for a, b in _chunks(len(groups), group_size):
-        q = (groups[a:b].to(cd) - lo[a:b, None].to(cd)).div_(step[a:b])
-        codes[a:b] = q.round_().clamp_(0, LEVELS - 1)
+    rows = _chunk_groups(len(groups), group_size)  # views of each chunk, made once
+    for g, low, s, c in zip(groups.split(rows), lo[:, None].split(rows), step.split(rows),
+                            codes.split(rows)):
+        q = (g.to(cd) - low.to(cd)).div_(s)
+        c.copy_(q.round_().clamp_(0, LEVELS - 1))
     return codes, lo, hi
 
 
@@ -111,8 +115,10 @@ def dequantize(codes, lo, hi, shape, dtype) -> torch.Tensor:
     cd = _compute_dtype(dtype)
     step = _step(lo, hi, cd)[:, None]
     x = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    for a, b in _chunks(len(codes), codes.shape[1]):
-        x[a:b] = codes[a:b].to(cd).mul_(step[a:b]).add_(lo[a:b, None].to(cd))
+    rows = _chunk_groups(len(codes), codes.shape[1])
+    for out, c, s, low in zip(x.split(rows), codes.split(rows), step.split(rows),
+                              lo[:, None].split(rows)):
+        out.copy_(c.to(cd).mul_(s).add_(low.to(cd)))
     return x.view(-1)[: math.prod(shape)].view(shape)
 
 

@@ -6,9 +6,12 @@ least significant bit first; stream bit k is bit (k mod 8) of byte k // 8; the l
 byte is zero padded. n codes take exactly ceil(n*b/8) bytes (3 bits: 3/8 byte a code).
 For b = 1 this is the layout of `methods.tempo.pack_bits`.
 
-The work runs in chunks of `CHUNK` codes (a multiple of 8, so every chunk starts on a
-byte boundary): the temporaries (int64 words, 8 bytes a code) stay those of one chunk,
-never of the whole tensor. 8-bit codes are their own packing (a copy).
+The work runs in chunks of `CHUNK` codes, or of 1/`PIECES` of a tensor larger than
+PIECES chunks (a multiple of 8, so every chunk starts on a byte boundary): the
+temporaries (int64 words, 8 bytes a group of eight codes) stay those of one chunk, never
+of the whole tensor, and a paper-sized tensor takes a bounded number of operations (on
+fake tensors each costs the same whatever its size). 8-bit codes are their own packing
+(a copy).
 """
 from __future__ import annotations
 
@@ -16,7 +19,13 @@ import math
 
 import torch
 
-CHUNK = 1 << 20  # codes per chunk; a multiple of 8
+CHUNK = 1 << 20  # codes per chunk, at least; a multiple of 8
+PIECES = 16  # chunks of a larger tensor, at most
+
+
+def _chunk(n: int) -> int:
+    """Codes per chunk for `n` codes (a multiple of 8; `pack` and `unpack` agree on it)."""
+    return -(-max(CHUNK, -(-n // PIECES)) // 8) * 8
 
 
 def packed_size(numel: int, bits: int) -> int:
@@ -46,7 +55,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return flat.clone()
     out = torch.empty(packed_size(n, bits), dtype=torch.uint8, device=codes.device)
     mask = (1 << bits) - 1
-    step = CHUNK - CHUNK % 8
+    step = _chunk(n)
     for start in range(0, n, step):
         piece = flat[start:start + step]
         m = piece.numel()
@@ -79,7 +88,7 @@ def unpack(packed: torch.Tensor, bits: int, shape) -> torch.Tensor:
         return packed.view(shape)
     out = torch.empty(-(-n // 8) * 8, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
-    step = CHUNK - CHUNK % 8
+    step = _chunk(n)
     for start in range(0, n, step):
         m = min(step, n - start)
         first, size = start * bits // 8, packed_size(m, bits)

@@ -56,6 +56,18 @@ def test_pack_in_chunks_equals_one_chunk(monkeypatch, bits):
     assert torch.equal(bitpack.unpack(chunked, bits, codes.shape), codes)
 
 
+@pytest.mark.parametrize("bits", [1, 3, 7])
+def test_a_large_tensor_is_packed_in_at_most_pieces_chunks(monkeypatch, bits):
+    monkeypatch.setattr(bitpack, "CHUNK", 64)
+    codes = torch.randint(0, 2 ** bits, (5001,), generator=torch.Generator().manual_seed(1),
+                          dtype=torch.uint8)
+    step = bitpack._chunk(codes.numel())
+    assert step % 8 == 0 and step > 64 and -(-codes.numel() // step) <= bitpack.PIECES
+    packed = bitpack.pack(codes, bits)
+    assert np.array_equal(packed.numpy(), numpy_pack(codes.numpy(), bits))
+    assert torch.equal(bitpack.unpack(packed, bits, codes.shape), codes)
+
+
 def test_pack_rejects_what_it_cannot_hold():
     with pytest.raises(ValueError):
         bitpack.pack(torch.zeros(4, dtype=torch.uint8), 9)

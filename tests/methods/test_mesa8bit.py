@@ -48,6 +48,18 @@ def test_round_trip_within_half_a_step(numel, group):
     assert torch.equal(full.amin(1), lo) and torch.equal(full.amax(1), hi)
 
 
+@pytest.mark.parametrize("chunk", [64, 640])  # 48 groups: in 16 pieces of 3; in pieces of 10
+def test_quantizing_in_chunks_equals_one_chunk(monkeypatch, chunk):
+    x = rough((64 * 48,), constant=64).to(torch.float32)
+    whole = M.quantize(x, 64)
+    back = M.dequantize(*whole, x.shape, x.dtype)
+    monkeypatch.setattr(M, "CHUNK_ELEMENTS", chunk)
+    assert M._chunk_groups(48, 64) == (3 if chunk == 64 else 10)
+    chunked = M.quantize(x, 64)
+    assert all(torch.equal(a, b) for a, b in zip(chunked, whole))
+    assert torch.equal(M.dequantize(*chunked, x.shape, x.dtype), back)
+
+
 def test_bfloat16_ranges_are_exact_and_codes_in_range():
     x = rough((4096,), dtype=torch.float32).bfloat16()
     codes, lo, hi = M.quantize(x, 64)
