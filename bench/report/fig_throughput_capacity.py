@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -26,7 +25,8 @@ import pandas as pd  # noqa: E402
 
 from bench.estimate import GPUS  # noqa: E402
 from bench.measure.records import atomic_path  # noqa: E402
-from bench.report.style import FAIL_COLOR, LINESTYLES, MARKERS, method_colors, nudge  # noqa: E402
+from bench.report.style import (FAIL_COLOR, LINESTYLES, MARKERS, finish,  # noqa: E402
+                                method_colors, nudge)
 from bench.report.tables import method_order, model_order, read_summary  # noqa: E402
 
 NAME = "throughput_capacity"
@@ -99,10 +99,6 @@ def figure(summary: pd.DataFrame) -> plt.Figure:
     handles = [plt.Line2D([], [], color=colors[m], marker=MARKERS[i % len(MARKERS)],
                           linestyle=LINESTYLES[i % len(LINESTYLES)], label=m)
                for i, m in enumerate(methods)]
-    fig.tight_layout(rect=(0, 0.12 if nrows == 1 else 0.06, 1, 0.84 if nrows == 1 else 0.92))
-    fig.suptitle(title, fontsize=11, y=0.99)
-    fig.legend(handles=handles, loc="lower center", ncol=min(len(methods), 5), frameon=False,
-               fontsize=9, bbox_to_anchor=(0.5, 0.03 if nrows == 1 else 0.015))
     note = ("Each point: the capacity search's largest batch at that memory size, times the "
             "sequence length, over the estimated step time of that batch (sum over the step's "
             "operators of max(FLOPs / dense peak, bytes / bandwidth) + a launch cost; "
@@ -111,8 +107,7 @@ def figure(summary: pd.DataFrame) -> plt.Figure:
                "spec-sheet figures, 5 us per launch") +
             "; no overlap, no fusion). x on the floor: nothing fits. Memory tier: "
             + (", ".join(sorted(set(drawn["memory_tier"].dropna()))) or "unknown") + ".")
-    fig.text(0.5, 0.0, textwrap.fill(note, int(4.2 * ncols * 72 / 5)), ha="center", va="top",
-             fontsize=8, color="0.3")
+    finish(fig, title, note, handles, ncol=min(len(methods), 5), title="method")
     return fig
 
 

@@ -36,8 +36,8 @@ from bench.report.tables import (BASELINE, CATEGORIES,  # noqa: E402
                           convergence_table, largest_model_table, memory_table, method_order,
                           model_order, overview_table, parameters_text, read_curves, read_summary,
                           status_text, throughput_table)
-from bench.report.style import (FAIL_COLOR, LINESTYLES, MARKERS, method_colors,  # noqa: E402
-                                method_linestyles, nudge)
+from bench.report.style import (FAIL_COLOR, LINESTYLES, MARKERS, finish,  # noqa: E402
+                                method_colors, method_linestyles, nudge)
 
 FIGURES = ["overview", "memory_breakdown", "throughput_relative", "convergence",
            "capacity_batch", "capacity_model", "throughput_capacity"]
@@ -80,29 +80,6 @@ def no_data_figure(title: str, what: str) -> plt.Figure:
     ax.text(0.5, 0.5, f"No data: {what}", ha="center", va="center", fontsize=12,
             transform=ax.transAxes, wrap=True)
     return fig
-
-
-def _finish(fig: plt.Figure, heading: str, caption: str = "", handles=(), **legend_kw) -> None:
-    """Lay out the panels under `heading`, then put the legend (if any) and the caption below
-    everything drawn, measured in pixels so that nothing overlaps; `save` crops tightly."""
-    fig.tight_layout()
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]
-    top = max([b.y1 for b in boxes if b is not None] + [fig.bbox.height])
-    fig.suptitle(heading, fontsize=12, y=(top + 0.05 * fig.dpi) / fig.bbox.height, va="bottom")
-    y = min([b.y0 for b in boxes if b is not None] + [0.0]) - 0.08 * fig.dpi
-    height = fig.bbox.height
-    if handles:
-        legend = fig.legend(handles=list(handles), loc="upper center", frameon=False,
-                            bbox_to_anchor=(0.5, y / height), fontsize=9, title_fontsize=9,
-                            **legend_kw)
-        fig.canvas.draw()
-        y = legend.get_window_extent(renderer).y0 - 0.05 * fig.dpi
-    if caption:
-        width_chars = int(fig.get_figwidth() * 72 / (8.5 * 0.55))
-        fig.text(0.5, y / height, textwrap.fill(caption, width_chars), ha="center", va="top",
-                 fontsize=8.5, color="0.3")
 
 
 def _grid(n: int, ncols: int, panel_w: float, panel_h: float, **kw):
@@ -195,7 +172,7 @@ def figure_memory_breakdown(summary: pd.DataFrame) -> plt.Figure:
         ax.set_title(_cell_title(cell, show_device), fontsize=10)
         ax.grid(axis="y", visible=False)
     handles = [Patch(color=colors[c], label=c) for c in CATEGORIES]
-    _finish(fig, f"{title} (memory tier: {_tiers_text(mem)}; device: {_devices_text(mem)})",
+    finish(fig, f"{title} (memory tier: {_tiers_text(mem)}; device: {_devices_text(mem)})",
             f"Number at each bar: peak MiB (change vs {BASELINE} in the same panel). "
             "A job that did not finish shows its status in red instead of a bar.",
             handles, ncol=len(CATEGORIES), title="memory category (stacked left to right)")
@@ -286,7 +263,7 @@ def figure_throughput_relative(summary: pd.DataFrame) -> plt.Figure:
         ax.set_title(f"{model} ({shape})" + ("" if relative else
                      f"\nno ok {BASELINE} job: absolute tokens/s"), fontsize=10)
         ax.grid(axis="y", visible=False)
-    _finish(fig, f"{title} (device: {_devices_text(thr)})",
+    finish(fig, f"{title} (device: {_devices_text(thr)})",
             f"Bars: tokens/s of the method / tokens/s of {BASELINE} with the same model, batch "
             f"and sequence length, both timed in the same process in interleaved rounds (dashed "
             f"line: 1.0 = as fast as {BASELINE}). Error bars: 95% bootstrap interval of the "
@@ -415,7 +392,7 @@ def figure_convergence(summary: pd.DataFrame, curves: pd.DataFrame) -> plt.Figur
                               label="loss floor (entropy rate)"))
     smooth = (f"curves smoothed with a rolling mean over {', '.join(map(str, sorted(windows)))}"
               " steps; " if windows - {1} else "")
-    _finish(fig, title, f"Line: mean over seeds; band: min-max over seeds; {smooth}inset: "
+    finish(fig, title, f"Line: mean over seeds; band: min-max over seeds; {smooth}inset: "
             "second half of training, zoomed. No dashed line: no known floor for that task.",
             handles, ncol=min(len(handles), 5))
     return fig
@@ -464,7 +441,7 @@ def figure_overview(summary: pd.DataFrame) -> plt.Figure:
     more = f" (+{len(notes) - 6} more)" if len(notes) > 6 else ""
     caption = ("Incomplete comparisons (hollow markers in a grey strip, or not drawn): "
                + "; ".join(notes[:6]) + more) if notes else ""
-    _finish(fig, title, caption)
+    finish(fig, title, caption)
     return fig
 
 
@@ -687,7 +664,7 @@ def _finish_capacity(fig, title: str, table: pd.DataFrame, note: str, methods, c
     if not failed.empty:
         note += " Not drawn (search failed): " + "; ".join(
             f"{r.method} {where} {r.model} ({r.status})" for r in failed.itertuples()) + "."
-    _finish(fig, f"{title} (memory tier: {_tiers_text(table)})", note, handles,
+    finish(fig, f"{title} (memory tier: {_tiers_text(table)})", note, handles,
             ncol=min(len(methods), 5), title="method")
 
 

@@ -1,6 +1,9 @@
-"""How the figures tell methods apart: a colour, a line style and a marker per method, the
-colour of a failure, and the nudge that keeps equal answers visible on a log axis."""
+"""How the figures tell methods apart (a colour, a line style and a marker per method, the
+colour of a failure, the nudge that keeps equal answers visible on a log axis) and how a
+figure is finished (its heading, legend and caption placed around what is drawn)."""
 from __future__ import annotations
+
+import textwrap
 
 import seaborn as sns
 
@@ -44,3 +47,27 @@ def nudge(i: int, n: int) -> float:
     drew a 0.02 GiB answer at 0.009 GiB)."""
     step = min(1.025, 1.25 ** (1 / max(n - 1, 1)))
     return step ** (i - (n - 1) / 2)
+
+
+def finish(fig, heading: str, caption: str = "", handles=(), **legend_kw) -> None:
+    """Lay out the panels under `heading`, then put the legend (if any) and the caption below
+    everything drawn, measured in pixels so that nothing overlaps (the figure is then saved
+    cropped to what it holds, `bbox_inches="tight"`)."""
+    fig.tight_layout()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]
+    top = max([b.y1 for b in boxes if b is not None] + [fig.bbox.height])
+    fig.suptitle(heading, fontsize=12, y=(top + 0.05 * fig.dpi) / fig.bbox.height, va="bottom")
+    y = min([b.y0 for b in boxes if b is not None] + [0.0]) - 0.08 * fig.dpi
+    height = fig.bbox.height
+    if handles:
+        legend = fig.legend(handles=list(handles), loc="upper center", frameon=False,
+                            bbox_to_anchor=(0.5, y / height), fontsize=9, title_fontsize=9,
+                            **legend_kw)
+        fig.canvas.draw()
+        y = legend.get_window_extent(renderer).y0 - 0.05 * fig.dpi
+    if caption:
+        width_chars = int(fig.get_figwidth() * 72 / (8.5 * 0.55))
+        fig.text(0.5, y / height, textwrap.fill(caption, width_chars), ha="center", va="top",
+                 fontsize=8.5, color="0.3")
