@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.method import Method
+from methods._common.chunks import chunk_size
 
 LEVELS = 256
 CHUNK_ELEMENTS = 2**20  # elements per chunk, at least
@@ -87,8 +88,7 @@ def _step(lo: torch.Tensor, hi: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
 def _chunk_groups(n_groups: int, group_size: int) -> int:
     """Groups per chunk: about CHUNK_ELEMENTS elements, or 1/PIECES of a larger tensor; the
     float temporaries of (de)quantizing stay that small whatever the tensor's size."""
-    elements = max(CHUNK_ELEMENTS, -(-n_groups * group_size // PIECES))
-    return max(1, elements // group_size)
+    return max(1, chunk_size(n_groups * group_size, CHUNK_ELEMENTS, PIECES) // group_size)
 
 
 def quantize(x: torch.Tensor, group_size: int):

@@ -19,13 +19,15 @@ import math
 
 import torch
 
+from methods._common.chunks import chunk_size
+
 CHUNK = 1 << 20  # codes per chunk, at least; a multiple of 8
 PIECES = 16  # chunks of a larger tensor, at most
 
 
 def _chunk(n: int) -> int:
     """Codes per chunk for `n` codes (a multiple of 8; `pack` and `unpack` agree on it)."""
-    return -(-max(CHUNK, -(-n // PIECES)) // 8) * 8
+    return chunk_size(n, CHUNK, PIECES, multiple=8)
 
 
 def packed_size(numel: int, bits: int) -> int:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from methods._common import bitpack
+from methods._common.chunks import chunk_size
 
 # The backward gathers the levels into the gradient with int32 indices (4 bytes an
 # element) in up to 16 pieces of at least 2^14 elements: that temporary stays near a
@@ -56,7 +57,7 @@ class StepDerivativeFunction(torch.autograd.Function):
         gy = grad_y.reshape(-1)
         grad_x = torch.empty(gy.shape, dtype=grad_y.dtype, device=grad_y.device)
         n = gy.numel()
-        chunk = max(BACKWARD_CHUNK, -(-n // BACKWARD_PIECES))
+        chunk = chunk_size(n, BACKWARD_CHUNK, BACKWARD_PIECES)
         for start in range(0, n, chunk):  # int32 indices, a piece at a time
             piece = slice(start, start + chunk)
             torch.index_select(levels, 0, codes[piece].int(), out=grad_x[piece]).mul_(gy[piece])

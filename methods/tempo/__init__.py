@@ -72,6 +72,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from bench.method import Method
+from methods._common.chunks import chunk_size
 
 # -- bit-packed masks ------------------------------------------------------------------
 
@@ -221,7 +222,7 @@ def gelu_backward_from_output(grad_y: torch.Tensor, y: torch.Tensor, right: torc
     grad_x = torch.empty(y.shape, dtype=grad_y.dtype, device=grad_y.device)
     gx, gy, ys, rs = grad_x.view(-1), grad_y.reshape(-1), y.reshape(-1), right.reshape(-1)
     n = ys.numel()
-    size = max(GELU_BACKWARD_MIN_CHUNK, -(-n // GELU_BACKWARD_CHUNKS))
+    size = chunk_size(n, GELU_BACKWARD_MIN_CHUNK, GELU_BACKWARD_CHUNKS)
     for start in range(0, n, size):
         piece = slice(start, start + size)
         x, lost = gelu_inverse(ys[piece], rs[piece], family)
