@@ -173,9 +173,9 @@ def figure_memory_breakdown(summary: pd.DataFrame) -> plt.Figure:
         ax.grid(axis="y", visible=False)
     handles = [Patch(color=colors[c], label=c) for c in CATEGORIES]
     finish(fig, f"{title} (memory tier: {_tiers_text(mem)}; device: {_devices_text(mem)})",
-            f"Number at each bar: peak MiB (change vs {BASELINE} in the same panel). "
-            "A job that did not finish shows its status in red instead of a bar.",
-            handles, ncol=len(CATEGORIES), title="memory category (stacked left to right)")
+           f"Number at each bar: peak MiB (change vs {BASELINE} in the same panel). "
+           "A job that did not finish shows its status in red instead of a bar.",
+           handles, ncol=len(CATEGORIES), title="memory category (stacked left to right)")
     return fig
 
 
@@ -264,11 +264,11 @@ def figure_throughput_relative(summary: pd.DataFrame) -> plt.Figure:
                      f"\nno ok {BASELINE} job: absolute tokens/s"), fontsize=10)
         ax.grid(axis="y", visible=False)
     finish(fig, f"{title} (device: {_devices_text(thr)})",
-            f"Bars: tokens/s of the method / tokens/s of {BASELINE} with the same model, batch "
-            f"and sequence length, both timed in the same process in interleaved rounds (dashed "
-            f"line: 1.0 = as fast as {BASELINE}). Error bars: 95% bootstrap interval of the "
-            "median of the per-round ratios. "
-            "A job that did not finish shows its status in red instead of a bar.")
+           f"Bars: tokens/s of the method / tokens/s of {BASELINE} with the same model, batch "
+           f"and sequence length, both timed in the same process in interleaved rounds (dashed "
+           f"line: 1.0 = as fast as {BASELINE}). Error bars: 95% bootstrap interval of the "
+           "median of the per-round ratios. "
+           "A job that did not finish shows its status in red instead of a bar.")
     return fig
 
 
@@ -393,8 +393,8 @@ def figure_convergence(summary: pd.DataFrame, curves: pd.DataFrame) -> plt.Figur
     smooth = (f"curves smoothed with a rolling mean over {', '.join(map(str, sorted(windows)))}"
               " steps; " if windows - {1} else "")
     finish(fig, title, f"Line: mean over seeds; band: min-max over seeds; {smooth}inset: "
-            "second half of training, zoomed. No dashed line: no known floor for that task.",
-            handles, ncol=min(len(handles), 5))
+           "second half of training, zoomed. No dashed line: no known floor for that task.",
+           handles, ncol=min(len(handles), 5))
     return fig
 
 
@@ -665,7 +665,7 @@ def _finish_capacity(fig, title: str, table: pd.DataFrame, note: str, methods, c
         note += " Not drawn (search failed): " + "; ".join(
             f"{r.method} {where} {r.model} ({r.status})" for r in failed.itertuples()) + "."
     finish(fig, f"{title} (memory tier: {_tiers_text(table)})", note, handles,
-            ncol=min(len(methods), 5), title="method")
+           ncol=min(len(methods), 5), title="method")
 
 
 def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
