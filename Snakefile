@@ -35,7 +35,7 @@ RESULTS = sorted(set(JOBS) | {p for p in glob.glob("results/runs/*/*/*/*/*.json"
 CUDA = config["suites"][config["suite"]]["device"].startswith("cuda")
 
 
-GROUPS = groups(JOBS)
+GROUPS = groups(JOBS, config["suite"])
 
 
 def all_cores(wildcards) -> int:
@@ -65,7 +65,7 @@ rule all:
 # a model, the seeds of a convergence cell, every other job alone. Each job's result is
 # written atomically as soon as it ends; a deleted result reruns its group.
 for gid, paths in GROUPS.items():
-    kind = paths[0].split("/")[3]
+    kind = JOBS[paths[0]].kind
 
     rule:
         name: rule_name(gid)
@@ -74,7 +74,7 @@ for gid, paths in GROUPS.items():
         priority: PRIORITY[kind]
         log: f"results/logs/{gid}.log"
         benchmark: f"results/logs/{gid}.benchmark.tsv"  # the group's wall time
-        params: jobs=json.dumps([{"args": JOBS[p], "out": p} for p in paths], separators=(",", ":"))
+        params: jobs=json.dumps([{"job": JOBS[p].to_dict(), "out": p} for p in paths], separators=(",", ":"))
         # timed jobs run alone, on every core: nothing else competes with the clock (beside
         # another job on 2 cores, two quick runs' ratios differed by a median |log| 0.035;
         # alone, 0.021-0.023: results/reference/cpu-2core/README.md); a group's throughput

@@ -1,5 +1,6 @@
-"""membench harness: models, data, memory and speed measurement, the runner, aggregation,
-figures. `python -m bench --help` runs one job."""
+"""membench: the job (job), the config and its plan (suite), the method contract (method),
+models and data (models, data), measurement (measure/), reporting (report/), the
+`membench` command (__main__: `membench --help` lists its subcommands)."""
 
 import logging as _logging
 

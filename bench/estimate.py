@@ -207,7 +207,7 @@ def samples_from_records(records: list[dict], device_contains: str) -> list[tupl
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.estimate", description=(
+    p = argparse.ArgumentParser(prog="membench estimate", description=(
         "Fit a GPU's efficiency factors (estimated step time vs measured) from result JSON "
         "files holding throughput jobs on that GPU and memory jobs (with costs) of the same jobs."))
     p.add_argument("results", nargs="+")
@@ -215,9 +215,9 @@ def main(argv=None) -> int:
     p.add_argument("--device-contains", required=True, help="e.g. H100: which throughput rows")
     p.add_argument("--out", default=str(REFERENCE))
     args = p.parse_args(argv)
-    from bench.measure import records as results
+    from bench.measure import records
 
-    samples = samples_from_records([results.read(f) for f in args.results], args.device_contains)
+    samples = samples_from_records([records.read(f) for f in args.results], args.device_contains)
     if len(samples) < 3:
         print(f"estimate: {len(samples)} matched jobs; at least 3 are needed", file=sys.stderr)
         return 1
@@ -231,6 +231,3 @@ def main(argv=None) -> int:
     print(f"estimate: {args.gpu} fitted on {len(samples)} jobs: {fit}", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Does my model fit on my GPU? One command: `python -m bench fit` (or `membench fit`).
+"""Does my model fit on my GPU? One command: `membench fit` (or `python -m bench fit`).
 
     membench fit --model path/to/config.json --batch-size 8 --seq-len 512 --memory-gb 24 80
 
@@ -34,6 +34,7 @@ import sys
 import time
 
 from bench import models
+from bench.errors import first_line
 from bench.job import CATEGORIES, DTYPE_NAMES, Job
 
 GiB = 2**30
@@ -110,8 +111,7 @@ def check_model(name: str, seq_len: int, attn_implementation: str) -> int:
 
 
 def _line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [""])[0]
-    return text if isinstance(e, ValueError) and text else f"{type(e).__name__}: {text}"
+    return first_line(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {first_line(e)}"
 
 
 def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq_len: int,
@@ -148,8 +148,7 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
     print(f"{label} building {model} on fake tensors, a warm-up step at batch {unit}, "
           f"then the step at batch {batch_size}",
           file=sys.stderr, flush=True)
-    oracle = capacity._Oracle(job, unit)
-    oracle.log_prefix = label
+    oracle = capacity.Oracle(job, unit, log_prefix=label)
     oracle.need(batch_size)
     record = oracle.records[batch_size]
     if record["status"] != "ok":
@@ -174,8 +173,8 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
         if not allocator.replay_on_gpu(sim.prefix, size).fits:
             k = 0  # the warm-up's trace, with which every step's trace starts, does not fit
         else:
-            guess = capacity._guess(lambda k: oracle.need(k * unit), known, size, most, probes=())
-            k = capacity._largest(lambda k: oracle.fits(k * unit, size), guess, most)
+            guess = capacity.guess_largest(lambda k: oracle.need(k * unit), known, size, most, probes=())
+            k = capacity.largest_fitting(lambda k: oracle.fits(k * unit, size), guess, most)
         fits = oracle.fits(batch_size, size)
         if oracle.error:
             return failed(oracle.error)

@@ -1,65 +1,96 @@
 """A job: one method on one model, one kind of measurement. Plain data; imports no other
 bench module, so the config layer, the command line and the runner all share it.
 
-Every default a job field has is stated once, in config/schema.yaml (`$defs/job`):
-`JOB_DEFAULTS` reads them from there, the `Job` dataclass and `python -m bench` take
-them from `JOB_DEFAULTS`, and the suite's config check fills them before planning.
+Its fields are stated once, in config/schema.yaml (`$defs/job`: name, type, default,
+meaning, in order): the `Job` dataclass is built from that list, `membench run` makes its
+flags from it, the suite check fills a suite's defaults from it, and `Job.from_dict`
+checks a job read back from JSON against it. A job travels between processes as the JSON
+of its fields (`to_dict`/`from_dict`), nothing else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import copy
+from dataclasses import asdict, field, make_dataclass
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = REPO / "config" / "schema.yaml"
+JOB_SCHEMA = yaml.safe_load(SCHEMA.read_text())["$defs"]["job"]
+PROPERTIES: dict[str, dict] = JOB_SCHEMA["properties"]
 
-KINDS = ("memory", "throughput", "convergence", "capacity", "model_capacity")
+KINDS = tuple(PROPERTIES["kind"]["enum"])
 # memory categories of a peak (bench.measure.tracker says what goes in each)
 CATEGORIES = ("param", "grad", "optimizer", "activation", "other")
 # parameter dtypes by name (bench.measure.step maps them to torch dtypes)
-DTYPE_NAMES = ("float32", "bfloat16", "float64")
+DTYPE_NAMES = tuple(PROPERTIES["dtype"]["enum"])
+JOB_DEFAULTS = {k: v["default"] for k, v in PROPERTIES.items() if "default" in v}
 
 
-def _schema_defaults() -> dict:
-    props = yaml.safe_load(SCHEMA.read_text())["$defs"]["job"]["properties"]
-    return {k: v["default"] for k, v in props.items() if "default" in v}
+class JobError(ValueError):
+    """A job's fields are not what config/schema.yaml says; the message names the field."""
 
 
-JOB_DEFAULTS = _schema_defaults()
+_TYPES = {"integer": int, "number": float, "string": str, "boolean": bool, "array": list,
+          "object": dict, "null": type(None)}
 
 
-def _default(name: str):
-    value = JOB_DEFAULTS[name]
-    if isinstance(value, (list, dict)):
-        return field(default_factory=lambda: type(value)(value))
-    return value
+def _python_type(prop: dict):
+    if "enum" in prop:
+        return str
+    names = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
+    out = _TYPES[names[0]]
+    for name in names[1:]:
+        out = out | _TYPES[name]
+    return out
 
 
-@dataclass
-class Job:
-    kind: str
-    method: str
-    model: str
-    batch_size: int
-    seq_len: int
-    seed: int = _default("seed")
-    device: str = _default("device")
-    dtype: str = _default("dtype")
-    task: str = _default("task")
-    attn_implementation: str = _default("attn_implementation")
-    dropout: float | None = _default("dropout")
-    hparams: dict = field(default_factory=dict)
-    capacity_gb: float | None = _default("capacity_gb")
-    steps: int = _default("steps")  # convergence: training steps; throughput: timed steps
-    warmup_steps: int = _default("warmup_steps")  # throughput only
-    rounds: int = _default("rounds")  # throughput: interleaved rounds of method and baseline
-    baseline: str = _default("baseline")  # throughput: the method timed beside it
-    threads: int | None = None
-    log_every: int = _default("log_every")
-    simulate: bool = _default("simulate")  # memory and capacity kinds: fake tensors (tier `simulated`)
-    memory_gb: list[float] = _default("memory_gb")  # capacity kinds: memory sizes, GiB
+def _field(name: str, prop: dict):
+    if "default" not in prop:
+        return name, _python_type(prop)
+    value = prop["default"]
+    default = (field(default_factory=lambda v=value: copy.deepcopy(v))
+               if isinstance(value, (list, dict)) else field(default=value))
+    return name, _python_type(prop), default
 
 
-JOB_FIELDS = tuple(f.name for f in fields(Job))
+def _from_dict(cls, data: dict) -> "Job":
+    """The job `data` describes (the JSON of `to_dict`), checked against the schema: an
+    unknown field, a missing one or a value of the wrong type is a JobError naming it."""
+    import jsonschema
+
+    errors = list(jsonschema.Draft202012Validator(JOB_SCHEMA).iter_errors(data))
+    if errors:
+        e = max(errors, key=lambda e: len(e.absolute_path))
+        where = "/".join(str(p) for p in e.absolute_path) or "(job)"
+        raise JobError(f"job field {where}: {e.message}")
+    return cls(**copy.deepcopy(data))
+
+
+def _to_dict(self) -> dict:
+    """The job's fields as JSON-ready data, in the schema's order."""
+    return asdict(self)
+
+
+# required fields first (no default), then the rest, each in the schema's order
+_ORDER = sorted(PROPERTIES, key=lambda k: "default" in PROPERTIES[k])
+Job = make_dataclass(
+    "Job", [_field(k, PROPERTIES[k]) for k in _ORDER],
+    namespace={"__doc__": "One job; its fields are config/schema.yaml's `$defs/job`.",
+               "__module__": __name__,
+               "from_dict": classmethod(_from_dict), "to_dict": _to_dict})
+
+JOB_FIELDS = tuple(_ORDER)
+
+
+def cell_suffix(job) -> str:
+    """What a job's result file name says of the fields marked `x-cell` in the schema
+    that are set (not at their default), e.g. `-cap0.02g-sim`."""
+    out = ""
+    for name, prop in PROPERTIES.items():
+        value = getattr(job, name)
+        if "x-cell" in prop and value not in (None, False) and value != prop.get("default"):
+            out += prop["x-cell"].format(value)
+    return out
+

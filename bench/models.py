@@ -17,6 +17,8 @@ import math
 import os
 import re
 
+from bench.errors import first_line
+
 # name -> (family, config overrides). Paper sizes keep their real vocabularies.
 MODELS: dict[str, tuple[str, dict]] = {
     # GPT-2 (Radford et al. 2019): small 124M ... XL 1.5B
@@ -132,7 +134,7 @@ def _load_config(path: str, mtime_ns: int, size: int):
         config = tf.AutoConfig.for_model(model_type, **values)
     except Exception as e:  # noqa: BLE001 - any failure of the config class is the answer
         raise ValueError(f"{path}: transformers cannot make a {model_type} config of it "
-                         f"({type(e).__name__}: {_first_line(e)})") from None
+                         f"({type(e).__name__}: {first_line(e)})") from None
     objective = _objective_of(config, values.get("architectures"))
     fam = model_type if OBJECTIVE.get(model_type, objective) == objective else f"{model_type}-{objective}"
     OBJECTIVE.setdefault(fam, objective)
@@ -154,10 +156,6 @@ def _objective_of(config, architectures) -> str:
     if masked and ("ForMaskedLM" in named or not causal or not named and not config.is_decoder):
         return "masked"
     return "causal"
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def config_of(name: str) -> tuple[str, dict]:
@@ -301,7 +299,7 @@ def _build_from_config(path: str, attn_implementation: str, dropout: float | Non
                                 attn_implementation=attn_implementation)
     except Exception as e:  # noqa: BLE001 - one line naming why, not a traceback
         raise ValueError(f"{path}: transformers cannot build a {config.model_type} model from it "
-                         f"({type(e).__name__}: {_first_line(e)})") from None
+                         f"({type(e).__name__}: {first_line(e)})") from None
 
 
 def n_params(model) -> int:

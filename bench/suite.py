@@ -11,14 +11,16 @@ fake tensors, split a batch into micro-batches). Every error names the key.
 from __future__ import annotations
 
 import copy
-import json
 import re
 from pathlib import Path
 
 import yaml
 
-from bench.job import JOB_DEFAULTS, KINDS, SCHEMA
+from bench.job import JOB_DEFAULTS, KINDS, PROPERTIES, SCHEMA, Job, cell_suffix
 from bench.models import MODELS, is_known, max_positions
+
+
+_SUITE = yaml.safe_load(SCHEMA.read_text())["$defs"]["suite"]
 
 
 class ConfigError(ValueError):
@@ -60,14 +62,15 @@ def fill_defaults(config: dict) -> dict:
             section.setdefault("simulate", JOB_DEFAULTS["simulate"])
             section.setdefault("capacity_gb", JOB_DEFAULTS["capacity_gb"])
             if kind == "capacity":
-                section.setdefault("max_batch", JOB_DEFAULTS["max_batch"])
+                section.setdefault("max_batch", _SUITE["properties"]["capacity"]["properties"]
+                                   ["max_batch"]["default"])
             if kind == "throughput":
                 section.setdefault("rounds", JOB_DEFAULTS["rounds"])
                 section.setdefault("baseline", JOB_DEFAULTS["baseline"])
     return config
 
 
-def check(config: dict) -> tuple[dict, dict[str, list[str]]]:
+def check(config: dict) -> tuple[dict, dict[str, Job]]:
     """Validate `config` (schema, then names and capabilities; ConfigError naming the key)
     and return it with its defaults filled, and its jobs (`plan`)."""
     validate_schema(config)
@@ -149,9 +152,9 @@ def _capable(config, suite, method: str, section: dict, kind: str, where: str, n
     return True
 
 
-def plan(config: dict) -> dict[str, list[str]]:
-    """Every job of the selected suite: result path -> `python -m bench` arguments.
-    `config` must have passed the schema (`check` does both)."""
+def plan(config: dict) -> dict[str, Job]:
+    """Every job of the selected suite: result path -> Job. `config` must have passed the
+    schema (`check` does both)."""
     config = fill_defaults(config)
     name = config["suite"]
     suites = config["suites"]
@@ -161,7 +164,7 @@ def plan(config: dict) -> dict[str, list[str]]:
     methods = resolve_methods(suite["methods"], f"suites/{name}/methods")
     _check_method_params(config["method_params"], "method_params")
     _check_method_params(suite["method_params"], f"suites/{name}/method_params")
-    jobs: dict[str, list[str]] = {}
+    jobs: dict[str, Job] = {}
     for kind in KINDS:
         section = suite.get(kind)
         if not section:
@@ -181,6 +184,7 @@ def plan(config: dict) -> dict[str, list[str]]:
             if section["seq_len"] > max_positions(model):
                 raise ConfigError(f"config key {where}/seq_len: {section['seq_len']} exceeds "
                                   f"{model}'s {max_positions(model)} positions")
+        settings = job_settings(suite, section)
         # a capacity job searches batch sizes up to max_batch
         batches = [section["max_batch"]] if kind == "capacity" else section["batch_sizes"]
         for task in section["tasks"]:
@@ -188,10 +192,31 @@ def plan(config: dict) -> dict[str, list[str]]:
                 for method in kind_methods:
                     for batch in batches:
                         for seed in section["seeds"]:
-                            path, args = _job(config, suite, name, kind, section, task, method,
-                                              model, batch, seed)
-                            jobs[path] = args
+                            job = Job(**{**settings, "kind": kind, "method": method,
+                                         "model": model, "batch_size": batch, "task": task,
+                                         "seed": seed,
+                                         "hparams": method_params(config, suite, method)})
+                            if kind == "throughput":
+                                job.baseline = baseline_of(section, method)
+                            jobs[result_path(name, job)] = job
     return jobs
+
+
+# Section keys named otherwise than the job field they set (the grid's lists, `models`,
+# `batch_sizes`, `seeds`, `tasks`, are iterated by `plan`).
+RENAMED = {"timed_steps": "steps", "max_batch": "batch_size"}
+
+
+def job_settings(suite: dict, section: dict) -> dict:
+    """The job fields a suite sets for one kind's jobs: the suite's own (device, dtype,
+    ...), the section's on top; any field of config/schema.yaml's `$defs/job` reaches the
+    job under its own name."""
+    out = {k: v for k, v in suite.items() if k in PROPERTIES}
+    for key, value in section.items():
+        key = RENAMED.get(key, key)
+        if key in PROPERTIES:
+            out[key] = value
+    return out
 
 
 def baseline_of(section: dict, method: str) -> str:
@@ -200,30 +225,14 @@ def baseline_of(section: dict, method: str) -> str:
     return base if isinstance(base, str) else base.get(method, JOB_DEFAULTS["baseline"])
 
 
-def _job(config, suite, name, kind, section, task, method, model, batch, seed):
-    cell = f"{task}-bs{batch}-seq{section['seq_len']}-seed{seed}"
-    if kind == "capacity":
-        cell = f"upto{batch}-seq{section['seq_len']}-seed{seed}"
-    args = ["--kind", kind, "--method", method, "--model", model, "--batch-size", str(batch),
-            "--seq-len", str(section["seq_len"]), "--seed", str(seed), "--device", suite["device"],
-            "--dtype", suite["dtype"], "--attn-implementation", suite["attn_implementation"],
-            "--task", task]
-    if section["capacity_gb"]:
-        args += ["--capacity-gb", str(section["capacity_gb"])]
-        cell += f"-cap{section['capacity_gb']}g"
-    if section["simulate"]:
-        args += ["--simulate"]
-        cell += "-sim"
-    if kind == "throughput":
-        args += ["--steps", str(section["timed_steps"]), "--warmup-steps", str(section["warmup_steps"]),
-                 "--rounds", str(section["rounds"]), "--baseline", baseline_of(section, method)]
-    if kind == "convergence":
-        args += ["--steps", str(section["steps"])]
-    if kind in ("capacity", "model_capacity"):
-        args += ["--memory-gb", *(f"{gb:g}" for gb in section["memory_gb"])]
-    for key, value in method_params(config, suite, method).items():
-        args += ["--hparam", f"{key}={json.dumps(value, separators=(',', ':'))}"]
-    return f"results/runs/{name}/{kind}/{model}/{method}/{cell}.json", args
+def result_path(suite: str, job: Job) -> str:
+    """Where a job of `suite` writes its result: results/runs/<suite>/<kind>/<model>/
+    <method>/<cell>.json, the cell naming the task, batch, length, seed and the fields the
+    schema marks `x-cell` that are set."""
+    cell = f"{job.task}-bs{job.batch_size}-seq{job.seq_len}-seed{job.seed}"
+    if job.kind == "capacity":
+        cell = f"upto{job.batch_size}-seq{job.seq_len}-seed{job.seed}"
+    return f"results/runs/{suite}/{job.kind}/{job.model}/{job.method}/{cell}{cell_suffix(job)}.json"
 
 
 # Jobs that run in one process (one start-up of torch and transformers, about 8 s on a
@@ -236,19 +245,17 @@ GROUP_BY = {"memory": (("kind", "model"), 32), "convergence": (("kind", "model")
 PRIORITY = {"convergence": 4, "capacity": 3, "model_capacity": 2, "throughput": 1, "memory": 0}
 
 
-def groups(jobs: dict[str, list[str]]) -> dict[str, list[str]]:
-    """Group id -> the result paths of the jobs one `python -m bench many` process runs, in
-    plan order: by the kind's key (GROUP_BY), in chunks of at most its size. Deleting one
+def groups(jobs: dict[str, Job], suite: str) -> dict[str, list[str]]:
+    """Group id -> the result paths of the jobs one `membench many` process runs, in plan
+    order: by the kind's key (GROUP_BY), in chunks of at most its size. Deleting one
     result reruns its group (what shares its process)."""
     keyed: dict[str, list[str]] = {}
-    for path in jobs:
-        suite, kind, model = Path(path).parts[2:5]  # results/runs/<suite>/<kind>/<model>/...
-        fields = dict(kind=kind, model=model)
-        key, _ = GROUP_BY[kind]
-        keyed.setdefault(f"{suite}/" + "-".join(fields[k] for k in key), []).append(path)
+    for path, job in jobs.items():
+        key, _ = GROUP_BY[job.kind]
+        keyed.setdefault(f"{suite}/" + "-".join(getattr(job, k) for k in key), []).append(path)
     out: dict[str, list[str]] = {}
     for gid, paths in keyed.items():
-        size = GROUP_BY[paths[0].split("/")[3]][1]
+        size = GROUP_BY[jobs[paths[0]].kind][1]
         chunks = [paths[i:i + size] for i in range(0, len(paths), size)]
         for i, chunk in enumerate(chunks):
             out[gid if len(chunks) == 1 else f"{gid}-{i + 1}"] = chunk

@@ -23,6 +23,10 @@ result as evidence.
 The largest model (`search_model`) is the same search over the family's ladder of sizes
 (`bench.models.ladder`) at a fixed batch: peak memory grows about geometrically along
 it, so the secant steps work on log bytes.
+
+Public: `search`, `search_model`, and the parts `membench fit` (`bench.fit`) builds its
+own search from: `Oracle` (runs memory jobs, answers fits(B, C)), `guess_largest` (the
+interpolated guess) and `largest_fitting` (gallop and bisect to the boundary).
 """
 from __future__ import annotations
 
@@ -42,14 +46,14 @@ from bench.job import Job
 def search(job: Job, memory_gb: list[float], max_batch: int, unit: int) -> dict:
     """Largest batch (a multiple of `unit`, at most `max_batch`) that fits in each memory
     size; `job` gives the model, method and settings (its batch size is not used)."""
-    oracle = _Oracle(job, unit)
+    oracle = Oracle(job, unit)
     sizes = []
     for gb in sorted(memory_gb):
         capacity = int(gb * 2**30)
         most = max(1, max_batch // unit)
         known = lambda: {b // unit: n for b, n in oracle.needs().items() if b % unit == 0}  # noqa: E731
-        guess = _guess(lambda k: oracle.need(k * unit), known, capacity, most, probes=(1, 8))
-        k = _largest(lambda k: oracle.fits(k * unit, capacity), guess, max_batch // unit)
+        guess = guess_largest(lambda k: oracle.need(k * unit), known, capacity, most, probes=(1, 8))
+        k = largest_fitting(lambda k: oracle.fits(k * unit, capacity), guess, max_batch // unit)
         best = k * unit
         print(f"[capacity {job.method} {job.model}] {gb:g} GiB: largest batch {best}"
               f"{' (the cap)' if best and k == max_batch // unit else ''}; {len(oracle.runs)} runs "
@@ -71,7 +75,7 @@ def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
     one shortcut: a size whose weights alone exceed the memory cannot fit, and is not built."""
     rungs = models.ladder(job.model)
     runs: list[dict] = []
-    oracles: dict[int, _Oracle] = {}
+    oracles: dict[int, Oracle] = {}
     weights = {}  # rung -> (parameters, bytes of the weights), from a build on the meta device
     noted: set = set()  # (rung, capacity) whose weights were found to exceed it
     biggest = int(max(memory_gb) * 2**30)
@@ -85,9 +89,9 @@ def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
             weights[i] = (n, n * step.DTYPES[job.dtype].itemsize)
         return weights[i][1]
 
-    def oracle(i: int) -> _Oracle:
+    def oracle(i: int) -> Oracle:
         if i not in oracles:
-            oracles[i] = _Oracle(replace(job, model=rungs[i]), unit, runs)
+            oracles[i] = Oracle(replace(job, model=rungs[i]), unit, runs)
         return oracles[i]
 
     def too_large(i: int, capacity: int) -> bool:
@@ -118,8 +122,8 @@ def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
     sizes = []
     for gb in sorted(memory_gb):
         capacity = int(gb * 2**30)
-        guess = _guess(need, known, capacity, len(rungs), probes=(1, 1 + len(rungs) // 4), log=True)
-        k = _largest(lambda k: fits(k, capacity), guess, len(rungs))
+        guess = guess_largest(need, known, capacity, len(rungs), probes=(1, 1 + len(rungs) // 4), log=True)
+        k = largest_fitting(lambda k: fits(k, capacity), guess, len(rungs))
         best = rungs[k - 1] if k else None
         record = oracles[k - 1].records.get(job.batch_size) if k else None
         print(f"[model capacity {job.method} from {job.model}] {gb:g} GiB: largest model "
@@ -135,7 +139,7 @@ def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
             "sizes": sizes, "runs": runs, "error": error()}
 
 
-def _guess(need, known, capacity: int, most: int, probes: tuple[int, ...], log: bool = False) -> int:
+def guess_largest(need, known, capacity: int, most: int, probes: tuple[int, ...], log: bool = False) -> int:
     """Largest k in [0, most] whose need is at most `capacity`, by interpolation on the
     needs measured so far (`known()`: k -> bytes, None for a failed run; `need(k)` runs
     k): the probes first, then a secant step per run, on log bytes with `log` (the model
@@ -165,7 +169,7 @@ def _guess(need, known, capacity: int, most: int, probes: tuple[int, ...], log: 
     return lo[0]
 
 
-def _largest(fits, guess: int, most: int) -> int:
+def largest_fitting(fits, guess: int, most: int) -> int:
     """Largest k in [0, most] with fits(k), fits being monotone (k = 0 always fits):
     gallop from the guess to a bracket fits(lo) / not fits(hi), then bisect. With a good
     guess this runs fits twice: at the answer and one above it."""
@@ -255,11 +259,11 @@ class _Simulation:
                 "cost": cost.result()}, trace
 
 
-class _Oracle:
+class Oracle:
     """Runs memory jobs at a batch size (each batch once) and answers fits(B, C): from
     that run's bytes when simulated or tracked, by a run capped at C on CUDA."""
 
-    def __init__(self, job: Job, unit: int, runs: list | None = None):
+    def __init__(self, job: Job, unit: int, runs: list | None = None, log_prefix: str | None = None):
         self.job = replace(job, kind="memory", capacity_gb=None)
         self.unit = unit
         self.sim: _Simulation | None = None
@@ -271,7 +275,8 @@ class _Oracle:
         self.capped: dict[tuple, dict] = {}  # (batch, capacity) -> record of a capped run
         self.runs: list[dict] = [] if runs is None else runs  # shared by a model search's sizes
         self.error: str | None = None
-        self.log_prefix = f"[capacity {job.method} {job.model}]"  # of the line printed per run
+        # the line printed per run starts with this
+        self.log_prefix = log_prefix or f"[capacity {job.method} {job.model}]"
         self._started = time.perf_counter()
 
     def _run(self, job: Job) -> dict:

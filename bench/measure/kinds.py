@@ -13,6 +13,7 @@ import traceback
 import torch
 
 from bench import models
+from bench.errors import first_line
 from bench.job import Job
 from bench.measure import step, timing
 from bench.measure.step import Diverged, checked, predict_gpu
@@ -44,7 +45,7 @@ def attempt(job: Job, fn) -> dict:
     try:
         record.update(fn())
     except (CapacityExceeded, torch.OutOfMemoryError) as e:
-        record.update(status="oom", message=step.first_line(e))
+        record.update(status="oom", message=first_line(e))
     except Diverged as e:
         record.update(status="diverged", message=str(e), **e.partial)
     except Exception as e:  # failure is data: keep the message, let the DAG go on

@@ -21,8 +21,9 @@ message, never a crash of the caller.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
-from dataclasses import asdict
 
 import torch
 
@@ -37,7 +38,7 @@ def run(job: Job, method: Method | None = None) -> dict:
     started = time.perf_counter()
     if job.threads:
         torch.set_num_threads(job.threads)
-    record = {"schema_version": records.SCHEMA_VERSION, "job": asdict(job)}
+    record = {"schema_version": records.SCHEMA_VERSION, "job": job.to_dict()}
     loaded = []
 
     def measure() -> dict:
@@ -69,7 +70,7 @@ def run_panel(jobs: list[Job]) -> list[dict]:
     outcomes = kinds.throughput_panel(list(zip(jobs, methods)))
     out = []
     for job, m, outcome in zip(jobs, methods, outcomes):
-        record = {"schema_version": records.SCHEMA_VERSION, "job": asdict(job),
+        record = {"schema_version": records.SCHEMA_VERSION, "job": job.to_dict(),
                   "hparams": _hparams(m)}
 
         def result(outcome=outcome):
@@ -113,3 +114,35 @@ def _capacity(job: Job, method: Method) -> dict:
     return out
 
 
+
+
+# host memory a panel's sides may hold together (parameters, gradients, two moments each)
+PANEL_BYTES = 2 * 2**30
+
+
+def panels(jobs: list[Job]) -> list[list[int]]:
+    """`jobs`' indices in batches run together: CPU throughput jobs that differ only in
+    their method form one panel (timed beside one baseline, `run_panel`), as many as fit
+    in PANEL_BYTES; every other job runs alone. Batches in the order of their first job."""
+    open_panel: dict[tuple, list[int]] = {}  # panel key -> the batch still filling
+    out: list[list[int]] = []
+    for i, job in enumerate(jobs):
+        if job.kind != "throughput" or job.device != "cpu":
+            out.append([i])
+            continue
+        fields = dataclasses.asdict(job)
+        key = tuple((k, repr(v)) for k, v in fields.items() if k not in ("method", "hparams"))
+        batch = open_panel.get(key)
+        if batch is None or (len(batch) + 2) * 16 * _n_params(job.model, job.attn_implementation) > PANEL_BYTES:
+            batch = open_panel[key] = []
+            out.append(batch)
+        batch.append(i)
+    return out
+
+
+@functools.cache
+def _n_params(model: str, attn_implementation: str) -> int:
+    from bench import models
+
+    with torch.device("meta"):
+        return models.n_params(models.build(model, attn_implementation))

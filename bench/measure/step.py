@@ -11,6 +11,7 @@ import math
 import torch
 
 from bench import data, models
+from bench.errors import first_line
 from bench.measure import allocator
 from bench.measure.tracker import CapacityExceeded
 from bench.method import Method
@@ -40,10 +41,6 @@ def error_message(e: Exception, simulated: bool) -> str:
             message = ("cannot run on fake tensors (the simulated tier): the step needs a "
                        f"tensor's value; measure it on real tensors instead ({message})")
     return message
-
-
-def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def fake_mode():

@@ -2,7 +2,7 @@
 memory and its split, largest batch and model, final loss) and, with --ratios, the paired
 throughput ratios (which repeat only within noise).
 
-    python -m bench.report.compare results/reference/cpu-2core/summary.csv results/summary.csv
+    membench compare results/reference/cpu-2core/summary.csv results/summary.csv
 
 A cell is (kind, method, model, batch, sequence, dtype, tier, task, seed, memory size).
 Cells in only one file are listed, not counted as differences. Exit status 1 if any
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 import numpy as np
 import pandas as pd
@@ -96,7 +95,7 @@ def ratio_agreement(a: pd.DataFrame, b: pd.DataFrame) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.report.compare", description=__doc__,
+    p = argparse.ArgumentParser(prog="membench compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", help="summary.csv A (e.g. a committed reference)")
     p.add_argument("b", help="summary.csv B (e.g. a new run)")
@@ -115,6 +114,3 @@ def main(argv=None) -> int:
         print("throughput ratios:", ratio_agreement(a, b))
     return 1 if diffs else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ method's memory saving buys in speed when the batch grows into the saved memory,
 its extra work costs. Estimated, and uncalibrated until `bench.estimate` has a fit for the
 GPU (the label says which).
 
-    python -m bench.report.fig_throughput_capacity --summary results/summary.csv --out results/figures
+    membench throughput-capacity --summary results/summary.csv --out results/figures
 """
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def throughput_at_capacity(summary: pd.DataFrame | str | Path, out: str | Path) 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.report.fig_throughput_capacity",
+    p = argparse.ArgumentParser(prog="membench throughput-capacity",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--summary", required=True)
     p.add_argument("--out", required=True)
@@ -139,6 +139,3 @@ def main(argv=None) -> int:
         print(path, file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

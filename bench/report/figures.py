@@ -1,6 +1,6 @@
 """Figures from summary.csv and curves.csv.
 
-    python -m bench.report.figures --summary results/summary.csv --curves results/curves.csv \\
+    membench figures --summary results/summary.csv --curves results/curves.csv \\
         --out results/figures
 
 Every name in `FIGURES` is written as <name>.png and <name>.pdf, always: a kind with no
@@ -724,7 +724,7 @@ def builders(summary: pd.DataFrame, curves: pd.DataFrame) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.report.figures",
+        prog="membench figures",
         description="Draw the membench figures from the aggregated tables. Every figure ("
                     + ", ".join(FIGURES) + ") is written as <name>.png and <name>.pdf, even "
                     "when its kind has no rows (the figure then says so).",
@@ -742,6 +742,3 @@ def main(argv=None) -> int:
     print(f"plots: {len(FIGURES)} figures (png + pdf) in {args.out}", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

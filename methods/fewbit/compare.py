@@ -1,8 +1,8 @@
 """Our tables against the published ones: the L2 error of f' - q (w = 1 on [-100, 100],
 the library's setting) of each, per function and bits.
 
-    python -m methods.fewbit.compare                       # the tables quoted in METHODS.md 6.1
-    python -m methods.fewbit.compare --published builtin.npz --out README.md
+    membench fewbit-compare                       # the tables quoted in METHODS.md 6.1
+    membench fewbit-compare --published builtin.npz --out README.md
 
 `--published`: fewbit's `fewbit/data/builtin.npz` (SkoltechAI/fewbit; arrays
 `<name><bits:02d>-borders` with the outer borders -100 and 100, and `-levels`). Each
@@ -82,7 +82,7 @@ def markdown(rows: list[dict], approx: list[dict]) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="membench fewbit-compare", description=__doc__.splitlines()[0])
     parser.add_argument("--published", type=Path, help="fewbit's builtin.npz (default: the tables quoted in METHODS.md)")
     parser.add_argument("--out", type=Path, help="write the Markdown table here (default: print it)")
     args = parser.parse_args(argv)
@@ -92,6 +92,3 @@ def main(argv=None):
         args.out.write_text(text)
     print(text, end="")
 
-
-if __name__ == "__main__":
-    main()

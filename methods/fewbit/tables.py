@@ -45,7 +45,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -289,8 +288,8 @@ CACHED_BITS = (1, 2, 3, 4)
 
 @functools.lru_cache(maxsize=1)
 def _cached() -> dict:
-    """The committed tables for the default weight and interval (`python -m
-    methods.fewbit.tables` writes them; a test checks them against a fresh solve)."""
+    """The committed tables for the default weight and interval (`membench
+    fewbit-tables` writes them; a test checks them against a fresh solve)."""
     if not CACHE_FILE.exists():
         return {}
     return json.loads(CACHE_FILE.read_text())["tables"]
@@ -344,12 +343,20 @@ def write_cache(path: Path = CACHE_FILE) -> dict:
             borders, levels, error = solve(name, bits)
             out[f"{name}/{bits}"] = dict(borders=list(borders), levels=list(levels), error=error)
     doc = {"about": "Optimal step approximations of activation derivatives (methods/fewbit/tables.py): "
-                    "w = 1 on [-100, 100]; regenerate with `python -m methods.fewbit.tables`.",
+                    "w = 1 on [-100, 100]; regenerate with `membench fewbit-tables`.",
            "interval": list(INTERVAL), "weight": "uniform", "grid_cells": GRID_CELLS, "tables": out}
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return out
 
 
-if __name__ == "__main__":
-    write_cache(Path(sys.argv[1]) if len(sys.argv) > 1 else CACHE_FILE)
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="membench fewbit-tables", description=(
+        "Solve the optimal step approximations of the activations' derivatives and write "
+        "them as JSON (the tables methods/fewbit reads)."))
+    p.add_argument("out", nargs="?", type=Path, default=CACHE_FILE,
+                   help="the JSON file to write (default: the cache methods/fewbit ships)")
+    write_cache(p.parse_args(argv).out)
     print(f"wrote {len(ACTIVATIONS) * len(CACHED_BITS)} tables")
+    return 0

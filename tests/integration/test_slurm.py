@@ -87,9 +87,13 @@ def without_timings(record):
     return record
 
 
-def planned(workdir: Path) -> list[str]:
+def plan_of(workdir: Path) -> dict:
     config = suite.load(workdir / "config" / "config.yaml")
-    return sorted(suite.plan({**config, SUITE_KEY: SUITE}))
+    return suite.plan({**config, SUITE_KEY: SUITE})
+
+
+def planned(workdir: Path) -> list[str]:
+    return sorted(plan_of(workdir))
 
 
 def stray_files(workdir: Path) -> list[str]:
@@ -144,7 +148,8 @@ def test_cancelled_job_reruns_with_nothing_lost(slurm, workflow_copy):
     # the preset's convergence jobs (the longest of its kinds; the seeds of a method share a
     # group, one rule and one SLURM job): one group is cancelled mid-run
     targets = [p for p in planned(workflow_copy) if "/convergence/" in p]
-    groups = {gid: paths for gid, paths in suite.groups({t: [] for t in targets}).items()}
+    jobs = plan_of(workflow_copy)
+    groups = suite.groups({t: jobs[t] for t in targets}, SUITE)
     assert len(groups) >= 2
     # the comment the plugin gives each job starts with rule_<rule name>
     by_comment = {f"rule_{rule_name(gid)}": gid for gid in groups}
@@ -198,7 +203,7 @@ def test_job_over_its_memory_is_a_named_failure(slurm, workflow_copy):
     and names both logs, and leaves no file behind. (The profile retries such a job once
     with twice the memory; --retries 0 shows the failure itself.)"""
     target = next(p for p in planned(workflow_copy) if "/memory/" in p)
-    gid, paths = next((g, ps) for g, ps in suite.groups({p: [] for p in planned(workflow_copy)}).items()
+    gid, paths = next((g, ps) for g, ps in suite.groups(plan_of(workflow_copy), SUITE).items()
                       if target in ps)
     out = snakemake(workflow_copy, *SLURM, *PRESET, "--retries", "0",
                     "--set-resources", f"{rule_name(gid)}:mem_mb=150", "--", target, timeout=TIMEOUT)

@@ -53,7 +53,7 @@ def test_smoke_suite_end_to_end(workflow_copy):
     assert other.returncode == 0, other.stderr[-2000:]
     planned = plan.plan({**plan.load(workflow_copy / "config" / "config.yaml"), "suite": "paper-memory"})
     runs = lambda counts: sum(n for rule, n in counts.items() if rule.startswith("run_"))  # noqa: E731
-    assert runs(job_counts(other.stdout)) == len(plan.groups(planned))
+    assert runs(job_counts(other.stdout)) == len(plan.groups(planned, "paper-memory"))
 
     # a deleted result reruns its group (the jobs that share its process), nothing else
     victim = next((results / "runs" / "smoke" / "convergence").rglob("*.json"))

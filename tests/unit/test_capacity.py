@@ -19,7 +19,7 @@ def test_largest_finds_the_boundary_of_a_monotone_predicate(seed):
         calls.append(k)
         return k <= answer
 
-    assert capacity._largest(fits, rng.randint(-5, most + 5), most) == answer
+    assert capacity.largest_fitting(fits, rng.randint(-5, most + 5), most) == answer
     assert 0 not in calls and len(calls) <= 2 * most.bit_length() + 2
 
 

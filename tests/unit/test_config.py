@@ -90,9 +90,8 @@ def test_suite_method_params_override_the_top_level():
     config = mutate(lambda c: (c.update(method_params={"grad_accum": {"micro_batches": 2, "lr": 0.1}}),
                                c["suites"]["quick"].update(method_params={"grad_accum": {"micro_batches": 8}})))
     jobs = checked(config)
-    args = next(a for p, a in jobs.items() if "/memory/gpt2-tiny/checkpointing+grad_accum/" in p)
-    hparams = [args[i + 1] for i, a in enumerate(args) if a == "--hparam"]
-    assert hparams == ["micro_batches=8", "lr=0.1"]
+    job = next(j for p, j in jobs.items() if "/memory/gpt2-tiny/checkpointing+grad_accum/" in p)
+    assert job.hparams == {"micro_batches": 8, "lr": 0.1}
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -108,11 +107,11 @@ def test_dry_run_lists_jobs(workflow_copy):
     assert out.returncode == 0, out.stderr
     jobs = checked(copy.deepcopy(CONFIG))
     counts = job_counts(out.stdout)
-    assert sum(n for rule, n in counts.items() if rule.startswith("run_")) == len(plan.groups(jobs))
+    assert sum(n for rule, n in counts.items() if rule.startswith("run_")) == len(plan.groups(jobs, "quick"))
     # every job is in exactly one group, and the groups are what share a process
-    grouped = [p for paths in plan.groups(jobs).values() for p in paths]
+    grouped = [p for paths in plan.groups(jobs, "quick").values() for p in paths]
     assert sorted(grouped) == sorted(jobs)
-    by_group = plan.groups(jobs)
+    by_group = plan.groups(jobs, "quick")
     memory = [g for g in by_group if g.startswith("quick/memory-")]
     assert all(len({p.split("/")[4] for p in by_group[g]}) == 1 for g in memory)  # one model each
     convergence = [g for g in by_group if g.startswith("quick/convergence-gpt2-tiny")]

@@ -159,7 +159,7 @@ def test_help_works_and_the_one_job_cli_is_unchanged():
                               capture_output=True, text=True, timeout=120)
     assert fit_help.returncode == 0 and "--memory-gb" in fit_help.stdout
     assert "--json" in fit_help.stdout
-    from bench.__main__ import parser
+    from bench.run import parser
 
     with pytest.raises(SystemExit):  # still requires --kind and friends
         parser().parse_args(["--model", "gpt2-tiny"])

@@ -114,7 +114,7 @@ def test_bad_job_is_an_error_record(tiny_job):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "bench", "run", *args], cwd=REPO,
                           capture_output=True, text=True)
 
 
@@ -139,7 +139,7 @@ def test_cli_writes_one_result_and_rejects_unknown_names(tmp_path):
 
 
 @pytest.mark.parametrize("change, says", [
-    (["--batch-size", "-1"], "--batch-size: must be a positive integer, not -1"),
+    (["--batch-size", "-1"], "job field batch_size: -1 is less than the minimum of 1"),
     (["--hparam", "lr=fast"], "option 'lr' takes a float"),
     (["--method", "adama+galore"], "adama and galore both provide"),
 ])

@@ -143,12 +143,11 @@ def test_a_panel_shares_one_baseline_and_isolates_a_failure(tiny_job):
 
 
 def test_many_times_a_group_of_throughput_jobs_as_one_panel(tmp_path):
-    entries = [{"args": ["--kind", "throughput", "--method", m, "--model", "gpt2-tiny",
-                         "--batch-size", "4", "--seq-len", "32", "--steps", "3", "--rounds", "3",
-                         "--warmup-steps", "1"], "out": str(tmp_path / f"{m}.json")}
-               for m in ("adamw", "galore")]
-    entries.append({"args": ["--kind", "memory", "--method", "adamw", "--model", "gpt2-tiny",
-                             "--batch-size", "4", "--seq-len", "32"], "out": str(tmp_path / "m.json")})
+    entries = [{"job": {"kind": "throughput", "method": m, "model": "gpt2-tiny", "batch_size": 4,
+                        "seq_len": 32, "steps": 3, "rounds": 3, "warmup_steps": 1},
+                "out": str(tmp_path / f"{m}.json")} for m in ("adamw", "galore")]
+    entries.append({"job": {"kind": "memory", "method": "adamw", "model": "gpt2-tiny",
+                            "batch_size": 4, "seq_len": 32}, "out": str(tmp_path / "m.json")})
     done = subprocess.run([sys.executable, "-m", "bench", "many", "--jobs-json", json.dumps(entries),
                            "--threads", "1"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
