@@ -6,6 +6,7 @@
 #   snakemake -n                                   # list the jobs without running them
 import glob
 import json
+import math
 import sys
 
 import yaml
@@ -46,10 +47,12 @@ def all_cores(wildcards) -> int:
     return cores if cores and cores != sys.maxsize else 1
 
 
-# What a group's jobs ask a cluster for (profiles/slurm): minutes per job by kind, generous
-# for the papers' sizes; 4 GB of host memory (the largest peak RSS measured: 0.46 GB for a
-# simulated LLaMA-65B step, 1.7 GB for a GPU job); twice both on a retry.
-MINUTES = dict(memory=10, throughput=60, convergence=240, capacity=240, model_capacity=240)
+# What a group's jobs ask a cluster for (profiles/slurm): the sum of its jobs' time limits
+# (Job.time_limit: a kind's limit is generous for the papers' sizes), at most 48 hours; 4 GB
+# of host memory (the largest peak RSS measured: 0.46 GB for a simulated LLaMA-65B step,
+# 1.7 GB for a GPU job); twice both on a retry.
+def minutes(paths) -> int:
+    return min(math.ceil(sum(JOBS[p].time_limit() for p in paths) / 60), 2880)
 
 
 rule all:
@@ -83,7 +86,7 @@ for gid, paths in GROUPS.items():
         resources:
             gpu=1 if CUDA else 0,  # becomes --gpus=1 under SLURM: one job per GPU
             mem_mb=lambda wildcards, attempt: 4096 * attempt,
-            runtime=lambda wildcards, attempt, n=len(paths), k=kind: min(MINUTES[k] * n, 2880) * attempt,
+            runtime=lambda wildcards, attempt, m=minutes(paths): m * attempt,
             slurm_extra="--exclusive" if kind == "throughput" else "",  # a timed job's node to itself
         # the group's jobs go on the command line: a `shell` rule runs in this process's
         # executor, where a `run` block would start a second Snakemake per group

@@ -68,6 +68,11 @@ def _from_dict(cls, data: dict) -> "Job":
     return cls(**copy.deepcopy(data))
 
 
+def _time_limit(self) -> float:
+    """Seconds the job may run: `time_limit_s`, or its kind's limit (the schema's x-by-kind)."""
+    return self.time_limit_s or PROPERTIES["time_limit_s"]["x-by-kind"][self.kind]
+
+
 def _to_dict(self) -> dict:
     """The job's fields as JSON-ready data, in the schema's order."""
     return asdict(self)
@@ -79,7 +84,8 @@ Job = make_dataclass(
     "Job", [_field(k, PROPERTIES[k]) for k in _ORDER],
     namespace={"__doc__": "One job; its fields are config/schema.yaml's `$defs/job`.",
                "__module__": __name__,
-               "from_dict": classmethod(_from_dict), "to_dict": _to_dict})
+               "from_dict": classmethod(_from_dict), "to_dict": _to_dict,
+               "time_limit": _time_limit})
 
 JOB_FIELDS = tuple(_ORDER)
 

@@ -1,6 +1,6 @@
-"""Run jobs from the command line and write their results: `membench run` (one job, its
-flags made from config/schema.yaml's `$defs/job`) and `membench many` (a group of jobs
-given as the JSON of their fields, one process for all of them: the workflow's rules).
+"""Run jobs and write their results: `membench run` (one job, its flags made from
+config/schema.yaml's `$defs/job`), and `work`, the loop that runs a group of jobs in one
+process for `membench many` (bench.many, which watches it).
 
     membench run --kind memory --method grad_accum --model gpt2-tiny \\
         --batch-size 8 --seq-len 128 --out results/runs/example.json
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import os
 import sys
 
 from bench.job import JOB_FIELDS, JOB_SCHEMA, PROPERTIES, Job, JobError
 from bench.measure import records
 from bench.measure.runner import panels, run, run_panel
+from bench.measure.step import TimedOut
 from bench.method import MethodError, available, load
 from bench.models import MODELS, is_known
 
@@ -98,9 +99,13 @@ def check_names(job: Job) -> None:
     load(job.method, job.hparams)
 
 
+def _describe(job: Job) -> str:
+    return (f"{job.kind} {job.method} on {job.model} (batch {job.batch_size}, seq {job.seq_len}, "
+            f"seed {job.seed}, {job.device})")
+
+
 def run_one(job: Job, out: str) -> dict:
-    print(f"membench: {job.kind} {job.method} on {job.model} (batch {job.batch_size}, "
-          f"seq {job.seq_len}, seed {job.seed}, {job.device})", file=sys.stderr, flush=True)
+    print(f"membench: {_describe(job)}", file=sys.stderr, flush=True)
     return write_one(run(job), out)
 
 
@@ -118,59 +123,58 @@ def main(argv=None) -> int:
     return 0
 
 
-def many(argv=None) -> int:
-    """Run several jobs in one process, one after another (one start-up of torch for all
-    of them). JOBS is a JSON list of {"job": {...a job's fields...}, "out": "result.json"}.
-    Each result is written atomically as soon as its job ends, so an interrupted group
-    keeps the results it finished. CPU throughput jobs that differ only in their method are
-    timed together, as one panel beside one baseline. CUDA jobs each run in a fresh
-    process (the allocator's peak must start from nothing)."""
-    p = argparse.ArgumentParser(prog="membench many", description=many.__doc__)
-    p.add_argument("jobs", nargs="?", help="a JSON file: a list of {job, out}")
-    p.add_argument("--jobs-json", help="the same list as JSON text (instead of a file)")
-    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
-    p.add_argument("--here", action="store_true",
-                   help="run CUDA jobs in this process too (how a CUDA job's own process runs it)")
-    opts = p.parse_args(argv)
-    if (opts.jobs is None) == (opts.jobs_json is None):
-        p.error("give a JSON file or --jobs-json, not both")
-    if opts.jobs_json is not None:
-        entries = json.loads(opts.jobs_json)
-    else:
-        with open(opts.jobs) as f:
-            entries = json.load(f)
-    try:
-        jobs = [Job.from_dict({**e["job"], "threads": opts.threads or e["job"].get("threads")})
-                for e in entries]
-    except JobError as e:
-        p.error(str(e))
+def work(entries: list[dict], progress_fd: int | None = None) -> int:
+    """Run `entries` ({"job": fields, "out": path}) one after another in this process (one
+    start-up of torch for all of them), each result written atomically as soon as its job
+    ends; CPU throughput jobs that differ only in their method are timed together, as one
+    panel beside one baseline. Before and after each job (or panel) a line on
+    `progress_fd`: {"start": [indices]} / {"done": [indices]}, for `membench many`, which
+    runs this in a child process and watches it. Returns after a job that timed out (the
+    process may be left in any state): `membench many` runs the rest in a fresh one."""
+    if progress_fd is not None:
+        _die_with_parent()
+    report = os.fdopen(progress_fd, "w", buffering=1) if progress_fd is not None else None
+
+    def say(event: str, batch: list[int]) -> None:
+        if report is not None:
+            report.write(json.dumps({event: batch}) + "\n")
+
+    jobs = [Job.from_dict(e["job"]) for e in entries]
     done = 0
     for batch in panels(jobs):
+        say("start", batch)
         if len(batch) > 1:  # throughput jobs timed together beside one baseline
             print(f"membench many: jobs {done + 1}-{done + len(batch)}/{len(jobs)}: "
                   f"{len(batch)} throughput jobs on {jobs[batch[0]].model}, one panel",
                   file=sys.stderr, flush=True)
-            for i, record in zip(batch, run_panel([jobs[i] for i in batch])):
-                write_one(record, entries[i]["out"])
-            done += len(batch)
-            continue
-        i = batch[0]
-        job, out = jobs[i], entries[i]["out"]
-        done += 1
-        print(f"membench many: job {done}/{len(jobs)}", file=sys.stderr, flush=True)
-        if job.device.startswith("cuda") and not opts.here:
-            # a GPU job reads the allocator's peak: each in a fresh process, so nothing an
-            # earlier job left allocated (a method's reference cycle) is counted
-            one = json.dumps([{"job": job.to_dict(), "out": out}])
-            subprocess.run([sys.executable, "-m", "bench", "many", "--here", "--jobs-json", one],
-                           check=False)
         else:
-            run_one(job, out)
+            print(f"membench many: job {done + 1}/{len(jobs)}", file=sys.stderr, flush=True)
+        try:
+            if len(batch) > 1:
+                results = run_panel([jobs[i] for i in batch])
+            else:
+                print(f"membench: {_describe(jobs[batch[0]])}", file=sys.stderr, flush=True)
+                results = [run(jobs[batch[0]])]
+        except TimedOut as e:  # the limit fell after the job's own handler was left
+            results = [records.failure(jobs[i], "timeout", str(e)) for i in batch]
+        for i, record in zip(batch, results):
+            write_one(record, entries[i]["out"])
+        done += len(batch)
+        say("done", batch)
+        if any(r["status"] == "timeout" for r in results):
+            # the limit may have fallen anywhere (inside an import, holding a lock): the
+            # rest of the jobs get a fresh process (`membench many` starts one)
+            return 0
     return 0
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {value}")
-    return value
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies (a killed
+    `membench many` leaves no job running on)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

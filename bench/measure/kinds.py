@@ -16,7 +16,7 @@ from bench import models
 from bench.errors import first_line
 from bench.job import Job
 from bench.measure import step, timing
-from bench.measure.step import Diverged, checked, predict_gpu
+from bench.measure.step import Diverged, TimedOut, checked, predict_gpu
 from bench.measure.allocator import MIN_BLOCK
 from bench.measure.cost import StepCost
 from bench.measure.tracker import CapacityExceeded, MemoryTracker, cuda_kernels, cuda_peak
@@ -39,8 +39,9 @@ def measure(job: Job, method: Method) -> dict:
 
 def attempt(job: Job, fn) -> dict:
     """`fn()`'s result with status ok, or the failure as data: out of memory (real, or over
-    `capacity_gb`), a non-finite loss and any exception become status oom, diverged or
-    error with the message, never a crash of the caller."""
+    `capacity_gb`), a non-finite loss, the job's time limit and any exception become status
+    oom, diverged, timeout or error with the message (and what a diverged or timed-out
+    convergence run had measured), never a crash of the caller."""
     record = {"status": "ok", "message": None}
     try:
         record.update(fn())
@@ -48,6 +49,8 @@ def attempt(job: Job, fn) -> dict:
         record.update(status="oom", message=first_line(e))
     except Diverged as e:
         record.update(status="diverged", message=str(e), **e.partial)
+    except TimedOut as e:
+        record.update(status="timeout", message=str(e), **e.partial)
     except Exception as e:  # failure is data: keep the message, let the DAG go on
         record.update(status="error", message=step.error_message(e, job.simulate),
                       traceback=traceback.format_exc(limit=-6))
@@ -193,8 +196,9 @@ def _convergence(job: Job, method: Method, model, stream) -> dict:
     for i in range(job.steps):
         try:
             loss = checked(method.train_step(model, optimizer, step.next_batch(stream, job.device)), i)
-        except Diverged as e:
-            raise Diverged(str(e), {"curve": curve, "loss_floor": stream.task.loss_floor}) from None
+        except (Diverged, TimedOut) as e:
+            e.partial = {"curve": curve, "loss_floor": stream.task.loss_floor}
+            raise
         curve.append({"step": i + 1, "wall_s": time.perf_counter() - start, "loss": loss})
         if job.log_every and ((i + 1) % job.log_every == 0 or i + 1 == job.steps):
             print(f"[{job.method} {job.model} seed {job.seed}] step {i + 1}/{job.steps} "

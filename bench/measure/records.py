@@ -94,6 +94,15 @@ def provenance(device: str) -> dict:
     }
 
 
+def failure(job, status: str, message: str, wall_time_s: float | None = None) -> dict:
+    """The result of a job that could not write its own (ended from outside, or past its
+    time limit where no handler of its own ran): the job, the status and why, provenance.
+    `hparams` holds the job's overrides only (the method was never built here)."""
+    return {"schema_version": SCHEMA_VERSION, "job": job.to_dict(), "hparams": dict(job.hparams),
+            "status": status, "message": message, "provenance": provenance(job.device),
+            "wall_time_s": wall_time_s}
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path):
     """Yield a temporary path beside `path`; once the block succeeds it is renamed onto

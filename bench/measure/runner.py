@@ -55,7 +55,8 @@ def run(job: Job, method: Method | None = None) -> dict:
             return _capacity(job, m)
         return kinds.measure(job, m)
 
-    record.update(kinds.attempt(job, measure))
+    with step.time_limit(job.time_limit()):
+        record.update(kinds.attempt(job, measure))
     return _finish(record, job, loaded[0] if loaded else None, started)
 
 
@@ -67,14 +68,18 @@ def run_panel(jobs: list[Job]) -> list[dict]:
     if jobs[0].threads:
         torch.set_num_threads(jobs[0].threads)
     methods = [load(job.method, job.hparams) for job in jobs]
-    outcomes = kinds.throughput_panel(list(zip(jobs, methods)))
+    try:  # the panel may run as long as its jobs together
+        with step.time_limit(sum(job.time_limit() for job in jobs)):
+            outcomes = kinds.throughput_panel(list(zip(jobs, methods)))
+    except step.TimedOut as e:
+        outcomes = [e] * len(jobs)
     out = []
     for job, m, outcome in zip(jobs, methods, outcomes):
         record = {"schema_version": records.SCHEMA_VERSION, "job": job.to_dict(),
                   "hparams": _hparams(m)}
 
         def result(outcome=outcome):
-            if isinstance(outcome, Exception):
+            if isinstance(outcome, BaseException):
                 raise outcome
             return outcome
 

@@ -27,6 +27,34 @@ class Diverged(RuntimeError):
         self.partial = partial or {}
 
 
+class TimedOut(BaseException):
+    """The job ran past its time limit (`Job.time_limit`); `partial` keeps what was measured
+    before. Not an Exception (as KeyboardInterrupt is not), so no handler that makes a
+    method's failure a row (a panel's side, a capacity probe) takes it for one."""
+
+    def __init__(self, message: str, partial: dict | None = None):
+        super().__init__(message)
+        self.partial = partial or {}
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise TimedOut in this (the main) thread once `seconds` have passed, between two
+    Python operations (a call stuck inside C code is ended from outside: `membench many`)."""
+    import signal
+
+    def expire(signum, frame):
+        raise TimedOut(f"time limit of {seconds:g} s reached")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def error_message(e: Exception, simulated: bool) -> str:
     """The one-line message of a failed job; on fake tensors, says when the failure is
     that the step needs a tensor's value (data-dependent ops), which fake tensors lack."""

@@ -1,0 +1,124 @@
+"""`membench many` leaves a row for every job however it ends: past its time limit (ended
+from inside, or killed from outside when it does not return to Python), killed by a
+signal, killed by the kernel's OOM killer in a memory cgroup; the group's other jobs go
+on. The faulty methods are written into a copy of methods/ for these tests only."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+FAULTY = {
+    # the third step hangs in Python: the job's own time limit ends it, with two steps kept
+    "sleeper": '''
+    steps = 0
+
+    def train_step(self, model, optimizer, batch):
+        self.steps += 1
+        while self.steps >= 3:
+            time.sleep(1)
+        return super().train_step(model, optimizer, batch)
+''',
+    # a hang no Python handler reaches (as inside C code): killed from outside
+    "stuck": '''
+    def __init__(self):
+        super().__init__()
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+
+    def train_step(self, model, optimizer, batch):
+        while True:
+            time.sleep(1)
+''',
+    # killed from outside, as the OOM killer or a user's kill -9 would
+    "selfkill": '''
+    def train_step(self, model, optimizer, batch):
+        os.kill(os.getpid(), signal.SIGKILL)
+''',
+    # allocates host memory until the kernel kills it
+    "hog": '''
+    def train_step(self, model, optimizer, batch):
+        held = []
+        while True:
+            held.append(torch.ones(2**26))
+''',
+}
+
+
+@pytest.fixture(scope="module")
+def methods_copy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faulty")
+    shutil.copytree(REPO / "methods", root / "methods", ignore=shutil.ignore_patterns("__pycache__"))
+    for name, body in FAULTY.items():
+        (root / "methods" / f"{name}.py").write_text(
+            f'"""Test method: {name}."""\nimport os\nimport signal\nimport time\n\nimport torch\n\n'
+            f"from bench.method import Method\n\n\nclass Faulty(Method):\n"
+            f'    paper = "none (a fault test)"\n{body}\n\nMETHOD = Faulty\n')
+    return root
+
+
+def many(root: Path, jobs: list[dict], out: Path, cgroup: Path | None = None):
+    base = {"kind": "convergence", "model": "gpt2-tiny", "batch_size": 2, "seq_len": 16,
+            "steps": 4, "log_every": 0}
+    entries = [{"job": {**base, **job}, "out": str(out / f"{i}.json")} for i, job in enumerate(jobs)]
+    join = (lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid()))) if cgroup else None
+    done = subprocess.run([sys.executable, "-m", "bench", "many", "--jobs-json", json.dumps(entries),
+                           "--threads", "1"], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)}, preexec_fn=join)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((out / f"{i}.json").read_text()) for i in range(len(jobs))], done.stderr
+
+
+def test_hung_and_killed_jobs_become_rows_and_the_others_go_on(methods_copy, tmp_path):
+    rows, log = many(methods_copy, [
+        {"method": "adamw"},
+        {"method": "sleeper", "time_limit_s": 4},
+        {"method": "stuck", "time_limit_s": 2},
+        {"method": "selfkill"},
+        {"method": "adamw", "seed": 1},
+    ], tmp_path)
+    assert [r["status"] for r in rows] == ["ok", "timeout", "timeout", "killed", "ok"], log
+    hung = rows[1]
+    assert hung["message"] == "time limit of 4 s reached"
+    assert [c["step"] for c in hung["curve"]] == [1, 2]  # what it had done is kept
+    assert "did not return to Python" in rows[2]["message"]
+    assert rows[3]["message"].startswith("killed: SIGKILL")
+    for r in rows[2:4]:  # written by the watching process: the job, its status, provenance
+        assert r["job"]["method"] in ("stuck", "selfkill") and r["provenance"]["commit"]
+    # the jobs after the faults ran whole, each in the fresh process started after a fault
+    assert len(rows[0]["curve"]) == len(rows[4]["curve"]) == 4
+    assert log.count("membench many: job 1/") == 4
+
+
+def _memory_cgroup(limit: int) -> Path | None:
+    """A fresh cgroup-v1 memory group of `limit` bytes (no swap), or None where this
+    machine does not allow one."""
+    base = Path("/sys/fs/cgroup/memory")
+    group = base / f"membench-test-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        swap = group / "memory.memsw.limit_in_bytes"
+        if swap.exists():
+            swap.write_text(str(limit))
+    except OSError:
+        if group.exists():
+            group.rmdir()
+        return None
+    return group
+
+
+def test_a_job_the_oom_killer_ends_is_an_oom_row(methods_copy, tmp_path):
+    group = _memory_cgroup(1536 * 2**20)
+    if group is None:
+        pytest.skip("no memory cgroup can be made here (needs root and cgroup v1's memory controller)")
+    try:
+        rows, log = many(methods_copy, [{"method": "hog"}, {"method": "adamw"}], tmp_path, group)
+    finally:
+        group.rmdir()
+    assert [r["status"] for r in rows] == ["oom", "ok"], log
+    assert rows[0]["message"] == "killed: SIGKILL by the kernel's OOM killer (out of host memory)"
