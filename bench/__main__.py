@@ -12,8 +12,10 @@ import sys
 COMMANDS = {
     "fit": ("bench.fit", "main", "does a model fit on GPUs of given sizes, per method (simulated)"),
     "run": ("bench.run", "main", "run one job and write its result JSON"),
-    "many": ("bench.many", "main", "run a group of jobs in one watched process (the workflow's rules)"),
-    "estimate": ("bench.estimate", "main", "fit a GPU's efficiency factors for the estimated tier from its measured results"),
+    "many": ("bench.many", "main",
+             "run a group of jobs in one watched process (the workflow's rules)"),
+    "estimate": ("bench.estimate", "main",
+                 "fit a GPU's efficiency factors for the estimated tier from its measured results"),
     "compare": ("bench.report.compare", "main", "compare two summary.csv files cell by cell"),
     "aggregate": ("bench.report.aggregate", "main", "result JSONs -> results/summary.csv and curves.csv"),
     "figures": ("bench.report.figures", "main", "summary.csv and curves.csv -> results/figures/"),

@@ -1,7 +1,7 @@
 """Models of the suite: Hugging Face GPT-2, BERT and LLaMA built from configs, random init.
 
 Nothing is downloaded. Every family has a CPU-tiny size (byte vocabulary, for the quick
-profile and the tests) and the sizes the papers use. `MODELS` is plain data so the
+suite and the tests) and the sizes the papers use. `MODELS` is plain data so the
 Snakefile and the config check can read it without importing torch.
 
 A model may also be a path to a Hugging Face `config.json` of any architecture transformers

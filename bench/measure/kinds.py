@@ -5,7 +5,6 @@ failure into a result (status oom, diverged or error, with the message)."""
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import time
 import traceback

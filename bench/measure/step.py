@@ -14,6 +14,7 @@ from bench import data, models
 from bench.errors import first_line
 from bench.measure import allocator
 from bench.measure.tracker import CapacityExceeded
+from bench.job import Job
 from bench.method import Method
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}

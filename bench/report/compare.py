@@ -80,8 +80,9 @@ def ratio_agreement(a: pd.DataFrame, b: pd.DataFrame) -> dict:
     if m.empty:
         return {"cells": 0}
     logs = np.abs(np.log(m["throughput_ratio_1"] / m["throughput_ratio_2"]))
-    cover = ((m["throughput_ratio_lo_1"] <= m["throughput_ratio_2"]) & (m["throughput_ratio_2"] <= m["throughput_ratio_hi_1"])
-             & (m["throughput_ratio_lo_2"] <= m["throughput_ratio_1"]) & (m["throughput_ratio_1"] <= m["throughput_ratio_hi_2"]))
+    r1, r2 = m["throughput_ratio_1"], m["throughput_ratio_2"]
+    cover = ((m["throughput_ratio_lo_1"] <= r2) & (r2 <= m["throughput_ratio_hi_1"])
+             & (m["throughput_ratio_lo_2"] <= r1) & (r1 <= m["throughput_ratio_hi_2"]))
     half = [(np.log(m[f"throughput_ratio_hi_{i}"]) - np.log(m[f"throughput_ratio_lo_{i}"])) / 2
             for i in (1, 2)]
     combined = logs <= np.sqrt(half[0] ** 2 + half[1] ** 2)

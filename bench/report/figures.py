@@ -40,7 +40,7 @@ from bench.report.style import (FAIL_COLOR, LINESTYLES, MARKERS, finish,  # noqa
                                 method_colors, method_linestyles, nudge)
 
 FIGURES = ["overview", "memory_breakdown", "throughput_relative", "convergence",
-           "capacity_batch", "capacity_model", "throughput_capacity"]
+           "capacity", "model_capacity", "throughput_capacity"]
 
 DPI = 150
 SMOOTH_POINTS = 50          # curves longer than this get a rolling mean over len // this steps
@@ -607,7 +607,7 @@ def _capacity_lines(ax, part: pd.DataFrame, x: str, y: str, methods, colors, flo
                        edgecolors=colors[method], zorder=5)
 
 
-def figure_capacity_batch(summary: pd.DataFrame) -> plt.Figure:
+def figure_capacity(summary: pd.DataFrame) -> plt.Figure:
     """Largest batch that fits vs GPU memory, one panel per model, a line per method."""
     title = "Largest batch that fits, per memory size"
     table = capacity_table(summary)
@@ -668,7 +668,7 @@ def _finish_capacity(fig, title: str, table: pd.DataFrame, note: str, methods, c
            ncol=min(len(methods), 5), title="method")
 
 
-def figure_capacity_model(summary: pd.DataFrame) -> plt.Figure:
+def figure_model_capacity(summary: pd.DataFrame) -> plt.Figure:
     """Largest model of each family that trains at a batch vs GPU memory (AdamA's figure)."""
     title = "Largest model that trains, per memory size"
     table = largest_model_table(summary)
@@ -714,8 +714,8 @@ def builders(summary: pd.DataFrame, curves: pd.DataFrame) -> dict:
         "memory_breakdown": lambda: figure_memory_breakdown(summary),
         "throughput_relative": lambda: figure_throughput_relative(summary),
         "convergence": lambda: figure_convergence(summary, curves),
-        "capacity_batch": lambda: figure_capacity_batch(summary),
-        "capacity_model": lambda: figure_capacity_model(summary),
+        "capacity": lambda: figure_capacity(summary),
+        "model_capacity": lambda: figure_model_capacity(summary),
         "throughput_capacity": lambda: fig_throughput_capacity.figure(summary),
     }
     assert list(table) == FIGURES

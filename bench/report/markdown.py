@@ -275,7 +275,7 @@ def accuracy_section(summary: pd.DataFrame) -> str:
     table = simulation_accuracy_table(summary)
     if table.empty:
         return ("_No cell has both a simulated and a GPU-measured memory job yet: run the "
-                "`paper-memory` and `full` profiles (their batch-8 cells match) to measure how "
+                "`paper-memory` and `full` suites (their batch-8 cells match) to measure how "
                 "close the simulation is._")
     rows = [[r["model"], r["method"], integer(r["batch_size"]), integer(r["seq_len"]), r["dtype"],
              r["device_name"], num(r["peak_bytes_simulated"] / 2**20), num(r["peak_bytes_measured"] / 2**20),

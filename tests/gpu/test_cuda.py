@@ -45,8 +45,8 @@ def test_roam_planned_step_equals_eager_adamw_on_cuda():
     planned = copy.deepcopy(eager)
     adamw, roam = load("adamw"), load("roam", {"time_limit": 2.0})
     opt_e, opt_r = adamw.make_optimizer(eager), roam.make_optimizer(planned)
-    for step in range(2):
-        batch = on_cuda(lm_batch(4, 32, seed=step))
+    for i in range(2):
+        batch = on_cuda(lm_batch(4, 32, seed=i))
         loss_e = adamw.train_step(eager, opt_e, batch)
         loss_r = roam.train_step(planned, opt_r, batch)
         torch.testing.assert_close(loss_r, loss_e, rtol=1e-10, atol=1e-12)

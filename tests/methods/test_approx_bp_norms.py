@@ -2,7 +2,6 @@
 (float64, gradcheck), the zero-weight guards, whole tiny models, and the bytes they save
 (the saved output is the storage the next Linear keeps: counted once)."""
 import copy
-import math
 
 import pytest
 import torch

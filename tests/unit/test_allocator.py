@@ -2,7 +2,6 @@
 and a simulated run's prediction of what a GPU needs."""
 import random
 
-import pytest
 
 from bench.measure import allocator, runner
 from bench.measure.allocator import CachingAllocator, replay

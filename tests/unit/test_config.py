@@ -25,8 +25,10 @@ def test_default_config_plans_every_method_module():
     assert kinds == {"memory", "throughput", "convergence", "capacity", "model_capacity"}
 
 
-@pytest.mark.parametrize("suite", ["quick", "full", "gpu", "gpu-twins", "paper-memory", "gpu-capacity", "tempo", "roam", "optimizers", "optimizers-memory", "optimizers-paper", "optimizers-7b", "lomo", "activations", "fewbit",
-                                     "galore-ranks", "microadam", "smoke"])
+@pytest.mark.parametrize("suite", ["quick", "full", "gpu", "gpu-twins", "paper-memory", "gpu-capacity", "tempo",
+                                   "roam", "optimizers", "optimizers-memory", "optimizers-paper",
+                                   "optimizers-7b", "lomo", "activations", "fewbit", "galore-ranks",
+                                   "microadam", "smoke"])
 def test_every_suite_plans(suite):
     config = copy.deepcopy(CONFIG)
     config["suite"] = suite

@@ -223,7 +223,7 @@ def test_largest_model_table_report_figure_and_claim(tmp_path):
     assert "| zeta_new | none | error |" in text
     assert "_No capacity jobs._" not in text and "### Largest batch" not in text
 
-    fig = plots.figure_capacity_model(summary)
+    fig = plots.figure_model_capacity(summary)
     assert len([ax for ax in fig.axes if ax.get_visible() and ax.lines]) == 1
     assert "Not drawn (search failed): zeta_new from toy-tiny (error)." in " ".join(
         fig.texts[-1].get_text().split())

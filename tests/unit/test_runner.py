@@ -1,6 +1,5 @@
 """The runner: result records, failure statuses, the command line."""
 import json
-import math
 import subprocess
 import sys
 
