@@ -17,21 +17,49 @@ it changes; the defaults are plain AdamW training with optional gradient accumul
 - `simulates`: False if the step needs tensor values (bitsandbytes reads one), so it
   cannot run on fake tensors; the suite then plans no simulated job for it.
 - `max_micro_batches`: the most micro-batches the method can split a batch into (None:
-  any; 1: no gradient accumulation, e.g. an update fused into backward); the suite
-  rejects a config asking for more before any job.
+  any; 1: no gradient accumulation, e.g. an update fused into backward); `load` rejects
+  more (so the config check does, before any job).
 - `report`: what the method found worth saying about this run (e.g. which layers it
   replaced); stored in the result as `method_report`.
 - `plans_per_shape`: True if the first step at a new batch shape is a planning step
   (ROAM traces and plans it), so a measurement must warm up at each shape.
+- `choices`: option -> the values it may take, e.g. `{"proj_type": ("std", "left")}`.
+- `ranges`: option -> the interval its number (each number, for a list option) must lie
+  in, written as in mathematics: `{"rank": "[1, inf)", "k": "(0, 1]"}`. None passes a
+  range only where the option's default is None (an option that is off unless set).
+- `peer_of`: for a peer, the name of our method it is compared against, else None; and
+  `package`: the pip requirement it runs (`require_package` imports it).
+
+`load` checks every declaration before any job (so does the config check, which loads
+each method with its overrides): an unknown option, a value of the wrong type, one
+outside its `choices` or `ranges` (the error names the option and what it allows), or
+more micro-batches than `max_micro_batches`. A method checks at run time only what
+depends on the model or the installed packages (e.g. fp16 parameters, a missing package).
+
+A peer is a module that runs a published package's implementation (the authors', or a
+library's) to compare with one of ours on the same models and settings: its docstring
+starts with "Peer:" and it sets `peer_of` and `package`; where it runs the same
+algorithm as that method, it takes its defaults and declarations. It is named after the package's
+import name (`galore_torch`, `apollo_torch`, `came_pytorch`), followed by what of the
+package it runs where that is not the whole package (`torchao_adamw8bit`,
+`optimi_accum`); where that name is our method's, `_pkg` is added (`adam_mini_pkg`).
+(`adamw_8bit`, bitsandbytes' AdamW8bit, predates the rule and keeps its name: result rows
+are keyed by the module name.)
+
+What a method may use of the measuring tool (the memory tracker, while it measures) is
+in `bench.hooks`; a method imports the contract (this module, `bench.hooks`,
+`bench.job`) and nothing else of `bench`.
 
 Methods stack with `+` (`checkpointing+grad_accum`): model transforms apply left to
 right; at most one member may provide the optimizer and at most one the step; their
-hyperparameters merge and must not disagree.
+hyperparameters merge and must not disagree; each member's declarations hold.
 """
 from __future__ import annotations
 
 import importlib
 import json
+import math
+import re
 
 import torch
 
@@ -51,6 +79,10 @@ class Method:
     plans_per_shape: bool = False
     simulates: bool = True
     max_micro_batches: int | None = None
+    choices: dict = {}
+    ranges: dict = {}
+    peer_of: str | None = None
+    package: str = ""
 
     def __init__(self):
         self.name = _module_name(type(self).__module__)
@@ -109,11 +141,13 @@ def accumulate(model, batch: dict, n: int, before_backward=None) -> torch.Tensor
 
 def require_package(module: str, pip_spec: str, method: str):
     """Import a peer's package, or raise a MethodError saying what to install (the suite
-    then records the job with status error and this message)."""
+    then records the job with status error and this message). Any failure of the import
+    counts (a package that imports bitsandbytes can fail loading its library)."""
     try:
         return importlib.import_module(module)
-    except ImportError as e:
-        raise MethodError(f"{method} needs `pip install {pip_spec}` ({e})") from None
+    except Exception as e:
+        raise MethodError(f"{method} needs `pip install {pip_spec}` "
+                          f"({type(e).__name__}: {e})") from None
 
 
 def split_batch(batch: dict, n: int) -> list[dict]:
@@ -220,7 +254,52 @@ def load(spec: str, overrides: dict | None = None) -> Method:
         if key not in method.hp:
             raise MethodError(f"{spec} has no option {key!r}; options: {', '.join(sorted(method.hp))}")
         method.hp[key] = _typed(spec, key, value, method.hp[key])
+    _check_declared(spec, members)
     return method
+
+
+def _check_declared(spec: str, members: list[Method]) -> None:
+    """A MethodError if an option of the (stacked) method `spec` is outside what one of
+    its members declares (`choices`, `ranges`, `max_micro_batches`), naming the option."""
+    for m in members:
+        for key, allowed in m.choices.items():
+            value = m.hp[key]
+            if value not in tuple(allowed):
+                raise MethodError(f"{spec}: option {key!r} must be one of "
+                                  f"{', '.join(json.dumps(a) for a in allowed)}, not {json.dumps(value)}")
+        for key, interval in m.ranges.items():
+            value = m.hp[key]
+            if value is None and {**BASE_DEFAULTS, **m.defaults}.get(key) is None:
+                continue
+            many = isinstance(value, (list, tuple))
+            if not all(_within(x, interval) for x in (value if many else [value])):
+                raise MethodError(f"{spec}: option {key!r} must {'have every element' if many else 'be'} "
+                                  f"in {interval}, not {json.dumps(value)}")
+    n = members[0].hp["micro_batches"]
+    limits = [m for m in members if m.max_micro_batches is not None]
+    owner = min(limits, key=lambda m: m.max_micro_batches, default=None)
+    if n is None or n < 1:
+        raise MethodError(f"{spec}: micro_batches={json.dumps(n)} is not supported: a step has "
+                          f"at least one micro-batch")
+    if owner is not None and n > owner.max_micro_batches:
+        limit = owner.max_micro_batches
+        raise MethodError(f"{spec}: micro_batches={n} is not supported: {owner.name} takes at "
+                          f"most {limit} micro-batch{'es' if limit > 1 else ''} per step "
+                          f"(max_micro_batches={limit})")
+
+
+_INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")
+
+
+def _within(x, interval: str) -> bool:
+    """Whether the number `x` lies in `interval` ("[1, inf)", "(0, 1]", "(-inf, 0)")."""
+    match = _INTERVAL.match(interval)
+    if match is None:
+        raise ValueError(f"bad interval {interval!r}: write it as [a, b], (a, b], [a, inf) ...")
+    left, lo, hi, right = match.group(1), float(match.group(2)), float(match.group(3)), match.group(4)
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x):
+        return False
+    return (x >= lo if left == "[" else x > lo) and (x <= hi if right == "]" else x < hi)
 
 
 def _typed(spec: str, key: str, value, default):

@@ -135,15 +135,12 @@ def method_params(config: dict, suite: dict, method: str) -> dict:
 
 
 def _capable(config, suite, method: str, section: dict, kind: str, where: str, named: bool) -> bool:
-    """Whether `method` can do this section's jobs (declared capabilities): more
-    micro-batches than it takes is an error; a simulated section leaves out a method that
-    cannot run on fake tensors if it came with `all`, and is an error if it is named."""
+    """Whether `method` can do this section's jobs (declared capabilities; loading it with
+    its settings checks their declared values, micro-batches included): a simulated
+    section leaves out a method that cannot run on fake tensors if it came with `all`,
+    and is an error if it is named."""
     m = _load_method(method, method_params(config, suite, method), f"{where}/methods")
     members = getattr(m, "members", [m])
-    limit = min((x.max_micro_batches for x in members if x.max_micro_batches), default=None)
-    if limit is not None and m.hp["micro_batches"] > limit:  # the config asked for it
-        raise ConfigError(f"config key {where}/methods: {method} takes at most {limit} "
-                          f"micro-batch(es), not micro_batches={m.hp['micro_batches']}")
     if section.get("simulate") and not all(x.simulates for x in members):
         if named:
             raise ConfigError(f"config key {where}/methods: {method} cannot run on fake "

@@ -42,8 +42,7 @@ import math
 
 import torch
 
-from bench.method import MethodError
-from methods.lomo import Lomo, LomoOptimizer, check_one_micro_batch, compute_dtype
+from methods.lomo import Lomo, LomoOptimizer, compute_dtype
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
@@ -55,9 +54,6 @@ class AdaLomoOptimizer(LomoOptimizer):
 
     def __init__(self, params, lr=1e-3, weight_decay=0.0, eps1=1e-30, eps2=1e-3,
                  clip_threshold=1.0, decay_rate=-0.8, clip_grad_norm=None, clip_grad_value=None):
-        if decay_rate >= 0:
-            raise MethodError(f"adalomo: decay_rate must be negative (beta_t = 1 - t^decay_rate), "
-                              f"not {decay_rate}")
         super().__init__(params, lr=lr, weight_decay=weight_decay, clip_grad_norm=clip_grad_norm,
                          clip_grad_value=clip_grad_value)
         self.eps1, self.eps2 = eps1, eps2
@@ -112,9 +108,9 @@ class AdaLomo(Lomo):
              "Findings of ACL 2024, arXiv 2310.10195")
     defaults = dict(lr=1e-3, weight_decay=0.0, eps1=1e-30, eps2=1e-3, clip_threshold=1.0,
                     decay_rate=-0.8, clip_grad_norm=None, clip_grad_value=None)
+    ranges = {**Lomo.ranges, "decay_rate": "(-inf, 0)"}  # beta_t = 1 - t^decay_rate
 
     def make_optimizer(self, model):
-        check_one_micro_batch(self)
         hp = self.hp
         return AdaLomoOptimizer(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"],
                                 eps1=hp["eps1"], eps2=hp["eps2"],

@@ -25,9 +25,11 @@ class AdamMiniPkg(Method):
     paper = ("adam-mini 1.1.1 (Adam_mini), Zhang et al., Adam-mini: Use Fewer Learning Rates To "
              "Gain More, arXiv 2406.16793")
     defaults = dict(AdamMini.defaults)
+    peer_of = "adam_mini"
+    package = "adam-mini==1.1.1"
 
     def make_optimizer(self, model):
-        adam_mini = require_package("adam_mini", "adam-mini==1.1.1", self.name)
+        adam_mini = require_package("adam_mini", self.package, self.name)
         config = model.config
         heads = config.num_attention_heads
         return adam_mini.Adam_mini(model.named_parameters(), **self.adam_args,

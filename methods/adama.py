@@ -29,7 +29,12 @@ one third-party implementation, makes v N times smaller in that case, so steps g
 about sqrt(N) times with the number of micro-batches. Both equal Adam for N = 1.
 
 Cannot be combined with what needs every gradient at once or per micro-batch:
-global gradient-norm clipping, fp16 with a GradScaler, and L2 (coupled) weight decay.
+global gradient-norm clipping (`max_grad_norm` must stay None: every gradient is
+released during backward), fp16 with a GradScaler (`grad_scaler` must stay False, and
+fp16 parameters are refused: a scaler cannot unscale gradients already folded into the
+moments), and L2 (coupled) weight decay (`weight_decay_mode` must stay "decoupled": the
+decay added to the gradient would be applied per micro-batch). Those options exist to say
+so: their declared `choices` are the one value that works.
 
 `state_dtype` keeps m and v in the parameter's dtype (`param`, default, as torch's Adam
 does), float32, bfloat16, or 8-bit blocks (`int8`: block-wise absmax-quantised m, and
@@ -105,10 +110,6 @@ class AdamAOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  v_norm="mean", state_dtype="param"):
-        if v_norm not in ("mean", "sum_scaled"):
-            raise MethodError(f"adama: v_norm must be 'mean' or 'sum_scaled', not {v_norm!r}")
-        if state_dtype not in STATE_DTYPES:
-            raise MethodError(f"adama: state_dtype must be one of {', '.join(STATE_DTYPES)}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.v_norm, self.state_dtype = v_norm, state_dtype
         self.micro_batches = 1
@@ -195,18 +196,14 @@ class AdamA(Method):
              "and Gradients for Large-scale DNN Training, ECAI 2023, arXiv 2305.19982")
     defaults = dict(micro_batches=4, v_norm="mean", state_dtype="param",
                     weight_decay_mode="decoupled", max_grad_norm=None, grad_scaler=False)
+    # the last three admit only the value that works (the module docstring says why)
+    choices = {"v_norm": ("mean", "sum_scaled"), "state_dtype": STATE_DTYPES,
+               "weight_decay_mode": ("decoupled",), "max_grad_norm": (None,),
+               "grad_scaler": (False,)}
 
     def make_optimizer(self, model):
         hp = self.hp
-        if hp["max_grad_norm"] is not None:
-            raise MethodError("adama: max_grad_norm (global gradient-norm clipping) needs every "
-                              "gradient at once, but AdamA releases each one during backward; "
-                              "use max_grad_norm=None")
-        if hp["weight_decay_mode"] != "decoupled":
-            raise MethodError(f"adama: weight_decay_mode={hp['weight_decay_mode']!r} (L2 weight decay "
-                              f"added to the gradient) would be applied per micro-batch; use "
-                              f"weight_decay_mode='decoupled' (AdamW-style)")
-        if hp["grad_scaler"] or any(p.dtype == torch.float16 for p in model.parameters()):
+        if any(p.dtype == torch.float16 for p in model.parameters()):
             raise MethodError("adama: fp16 training needs a GradScaler, which cannot unscale "
                               "gradients that are already folded into the moments; use "
                               "bfloat16 or float32")

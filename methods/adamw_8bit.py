@@ -14,9 +14,11 @@ class AdamW8bit(Method):
     paper = "Dettmers et al., 8-bit Optimizers via Block-wise Quantization, ICLR 2022 (bitsandbytes)"
     defaults = dict(min_8bit_size=4096)
     simulates = False  # bitsandbytes reads a tensor's value inside its step
+    peer_of = "adama_8bit"  # the suite's own block-wise 8-bit Adam moments
+    package = "bitsandbytes==0.50.2"
 
     def make_optimizer(self, model):
-        bnb = require_package("bitsandbytes", "bitsandbytes==0.50.2", self.name)
+        bnb = require_package("bitsandbytes", self.package, self.name)
         return bnb.optim.AdamW8bit(model.parameters(), **self.adam_args,
                                    min_8bit_size=self.hp["min_8bit_size"])
 

@@ -32,11 +32,12 @@ code's step size), not R~. Every other parameter (embeddings, norms, LM head, bi
 AdamW with the code's formula: W <- W - lr sqrt(1 - b2^t) / (1 - b1^t) M / (sqrt(V) + eps),
 then W <- W - lr wd W.
 
-Which weights: those GaLore projects (methods/galore.py `split_params`: `nn.Linear` and
-GPT-2's `Conv1D` in attention and MLP blocks), as the authors' pre-training script.
-The rank is not clamped (as the authors' random projector): a rank above min(m, n) keeps
-a projected space larger than the weight, i.e. more state than AdamW; the tiny models
-(width 128) need a smaller rank than 256 to save anything (the quick profile overrides it).
+Which weights: those GaLore projects (methods/_common/lowrank.py `split_params`:
+`nn.Linear` and GPT-2's `Conv1D` in attention and MLP blocks), as the authors'
+pre-training script. The rank is not clamped (as the authors' random projector): a rank
+above min(m, n) keeps a projected space larger than the weight, i.e. more state than
+AdamW; the tiny models (width 128) need a smaller rank than 256 to save anything (the
+optimizers-memory suite runs `apollo@rank=32` beside the default).
 
 The seeds: the first period's projection is the package's (its seed is the parameter's
 1-based index and its matrix `torch.randn(..., generator=Generator().manual_seed(seed))`
@@ -63,8 +64,8 @@ import random
 import torch
 
 from bench.method import Method, MethodError
+from methods._common.lowrank import TARGET_MODULES, split_params
 from methods._common.optim import PerParameterOptimizer
-from methods.galore import TARGET_MODULES, split_params
 
 SCALE_TYPES = ("channel", "tensor")
 LIMITER_GAMMA = 1.01
@@ -101,16 +102,8 @@ class APOLLOAdamW(PerParameterOptimizer):
             for p in group["params"]:
                 index += 1
                 self.state[p]["seed"] = index  # as the package: 1, 2, ... over all groups
-            if group["rank"] is None:
+            if group["rank"] is None:  # rank, update_proj_gap, scale_type: APOLLO.choices/ranges
                 continue
-            if not (isinstance(group["rank"], int) and group["rank"] >= 1):
-                raise MethodError(f"apollo: rank must be a positive integer, not {group['rank']!r}")
-            if not (isinstance(group["update_proj_gap"], int) and group["update_proj_gap"] >= 1):
-                raise MethodError(f"apollo: update_proj_gap must be a positive integer, "
-                                  f"not {group['update_proj_gap']!r}")
-            if group["scale_type"] not in SCALE_TYPES:
-                raise MethodError(f"apollo: scale_type must be one of {', '.join(SCALE_TYPES)}, "
-                                  f"not {group['scale_type']!r}")
             for p in group["params"]:
                 if p.dim() != 2:
                     raise MethodError(f"apollo: only 2-D weights can be projected, got shape "
@@ -192,6 +185,8 @@ class APOLLO(Method):
              "arXiv 2412.05270")
     defaults = dict(lr=0.01, eps=1e-6, rank=256, update_proj_gap=200, scale=1.0,
                     scale_type="channel", target_modules=list(TARGET_MODULES))
+    choices = {"scale_type": SCALE_TYPES}
+    ranges = {"rank": "[1, inf)", "update_proj_gap": "[1, inf)"}
 
     def make_optimizer(self, model):
         return APOLLOAdamW(param_groups(model, self.hp), **self.adam_args)

@@ -21,7 +21,7 @@ paper's setting are not part of this suite.
 """
 from __future__ import annotations
 
-from bench.method import MethodError, lm_loss
+from bench.method import lm_loss
 from methods._common.release import GradientRelease
 from methods.apollo import APOLLO, APOLLOAdamW, param_groups
 
@@ -46,16 +46,10 @@ class APOLLOLayerwise(APOLLO):
     paper = ("Zhu et al., APOLLO: SGD-like Memory, AdamW-level Performance, MLSys 2025, "
              "arXiv 2412.05270 (layer-wise updates)")
     defaults = {**APOLLO.defaults, "micro_batches": 1}
-    max_micro_batches = 1
+    max_micro_batches = 1  # the update runs inside every backward (apollo accumulates)
 
     def make_optimizer(self, model):
-        hp = self.hp
-        if hp["micro_batches"] != 1:
-            raise MethodError(f"apollo_layerwise: micro_batches={hp['micro_batches']} is not supported: "
-                              f"the update runs inside every backward, so each micro-batch would make "
-                              f"its own optimizer step; use micro_batches=1 (or apollo, which "
-                              f"accumulates, stacked with grad_accum)")
-        return LayerwiseAPOLLOAdamW(param_groups(model, hp), **self.adam_args)
+        return LayerwiseAPOLLOAdamW(param_groups(model, self.hp), **self.adam_args)
 
     def train_step(self, model, optimizer, batch):
         loss = lm_loss(model, batch)

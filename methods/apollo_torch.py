@@ -22,23 +22,22 @@ from __future__ import annotations
 
 import torch
 
-from bench.method import Method, MethodError
+from bench.method import Method, require_package
+from methods._common.lowrank import split_params
 from methods.apollo import APOLLO
-from methods.galore import split_params
 
 
 class APOLLOTorch(Method):
     paper = ("apollo-torch 1.0.3 (APOLLOAdamW), Zhu et al., APOLLO: SGD-like Memory, AdamW-level "
              "Performance, MLSys 2025, arXiv 2412.05270")
     defaults = dict(APOLLO.defaults)
+    choices, ranges = APOLLO.choices, APOLLO.ranges
     simulates = False
+    peer_of = "apollo"
+    package = "apollo-torch==1.0.3"
 
     def make_optimizer(self, model):
-        try:
-            from apollo_torch import APOLLOAdamW
-        except Exception as e:  # ImportError, or bitsandbytes failing to load
-            raise MethodError(f"apollo_torch needs `pip install apollo-torch==1.0.3` (which imports "
-                              f"transformers and bitsandbytes): {type(e).__name__}: {e}") from None
+        APOLLOAdamW = require_package("apollo_torch", self.package, self.name).APOLLOAdamW
         hp = self.hp
         projected, rest = split_params(model, hp["target_modules"])
         groups = [{"params": rest},

@@ -46,7 +46,7 @@ import math
 
 import torch
 
-from bench.method import Method, MethodError
+from bench.method import Method
 from methods._common.optim import PerParameterOptimizer
 
 HALF = (torch.float16, torch.bfloat16)
@@ -78,10 +78,7 @@ class CAMEOptimizer(PerParameterOptimizer):
 
     def __init__(self, params, lr=2e-4, betas=(0.9, 0.999, 0.9999), eps=(1e-30, 1e-16),
                  clip_threshold=1.0, weight_decay=0.0):
-        if len(betas) != 3 or not all(0.0 <= b < 1.0 for b in betas):
-            raise MethodError(f"came: betas must be three numbers in [0, 1), not {betas!r}")
-        if len(eps) != 2 or not all(e >= 0 for e in eps):
-            raise MethodError(f"came: eps must be two non-negative numbers, not {eps!r}")
+        # three betas and two eps (the option's type); their values: CAME.ranges
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=tuple(eps),
                                       clip_threshold=clip_threshold, weight_decay=weight_decay))
 
@@ -145,6 +142,7 @@ class CAME(Method):
              "ACL 2023, arXiv 2307.02047")
     defaults = dict(lr=2e-4, betas=(0.9, 0.999, 0.9999), eps=(1e-30, 1e-16), weight_decay=0.01,
                     clip_threshold=1.0)
+    ranges = {"betas": "[0, 1)", "eps": "[0, inf)"}  # each of the three betas, both eps
 
     def make_optimizer(self, model):
         hp = self.hp

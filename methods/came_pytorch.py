@@ -26,9 +26,12 @@ class CAMEPytorch(Method):
     paper = ("came-pytorch 0.1.3 (CAME), Luo et al., CAME: Confidence-guided Adaptive Memory "
              "Efficient Optimization, ACL 2023, arXiv 2307.02047")
     defaults = dict(CAME.defaults)
+    ranges = CAME.ranges
+    peer_of = "came"
+    package = "came-pytorch==0.1.3"
 
     def make_optimizer(self, model):
-        came_pytorch = require_package("came_pytorch", "came-pytorch==0.1.3", self.name)
+        came_pytorch = require_package("came_pytorch", self.package, self.name)
         hp = self.hp
         return came_pytorch.CAME(model.parameters(), lr=hp["lr"], betas=tuple(hp["betas"]),
                                  eps=tuple(hp["eps"]), clip_threshold=hp["clip_threshold"],

@@ -26,8 +26,9 @@ m > n:  Q <- V'[:r, :] (r x n, Q Q^T = I),  R <- G Q^T (m x r),  W <- W - lr alp
 projector r x min(m, n)); "reverse_std" the larger; "left" always P; "right" always Q;
 "full" both (R = P^T G Q^T, r x r states, projectors P and Q).
 
-Which weights: the 2-D weights of `nn.Linear` and GPT-2's `Conv1D` modules whose
-qualified name contains one of `target_modules`. The authors' script takes every
+Which weights (methods/_common/lowrank.py, shared with APOLLO): the 2-D weights of
+`nn.Linear` and GPT-2's `Conv1D` modules whose qualified name contains one of
+`target_modules`. The authors' script takes every
 `nn.Linear` named with "attn" or "mlp" (LLaMA's self_attn.*_proj and mlp.*_proj; GPT-2's
 attn.c_attn/c_proj and mlp.c_fc/c_proj once Conv1D counts as a linear layer); BERT names
 its blocks differently, so "attention", "intermediate" and "output.dense" are added (its
@@ -39,7 +40,7 @@ rank >= min(m, n): the rank is clamped to min(m, n) for that weight (galore-torc
 the same, by slicing). The projector is then square and orthogonal: the update is Adam in
 a basis rotated every T steps, times alpha, and the weight keeps full-size states plus
 the projector, i.e. more memory than AdamW and no saving. The tiny models (hidden 128)
-need a smaller rank than the default 128 to save anything: the quick profile overrides it
+need a smaller rank than the default 128 to save anything: the quick suite overrides it
 (e.g. rank 32, update_proj_gap 50).
 
 Optimizer-state elements of a targeted m x n weight, r = min(rank, m, n), in the
@@ -64,31 +65,10 @@ import math
 import torch
 
 from bench.method import Method, MethodError
+from methods._common.lowrank import TARGET_MODULES, split_params
 from methods._common.optim import PerParameterOptimizer
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
-TARGET_MODULES = ("attn", "mlp", "attention", "intermediate", "output.dense")
-
-
-def _linear_types() -> tuple[type, ...]:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # pragma: no cover - transformers is a runtime requirement
-        return (torch.nn.Linear,)
-    return (torch.nn.Linear, Conv1D)
-
-
-def split_params(model: torch.nn.Module, target_modules) -> tuple[list, list]:
-    """(the weights GaLore projects, every other trainable parameter), in model order."""
-    types = _linear_types()
-    projected = {}
-    for name, module in model.named_modules():
-        w = getattr(module, "weight", None)
-        if (isinstance(module, types) and any(k in name for k in target_modules)
-                and w is not None and w.dim() == 2 and w.requires_grad):
-            projected[id(w)] = w
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in projected]
-    return list(projected.values()), rest
 
 
 def side(shape, proj_type: str) -> str:
@@ -121,17 +101,9 @@ class GaLoreAdamW(PerParameterOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, rank=rank,
                         update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type)
         super().__init__(params, defaults)
-        for group in self.param_groups:
+        for group in self.param_groups:  # rank, update_proj_gap, proj_type: GaLore.choices/ranges
             if group["rank"] is None:
                 continue
-            if not (isinstance(group["rank"], int) and group["rank"] >= 1):
-                raise MethodError(f"galore: rank must be a positive integer, not {group['rank']!r}")
-            if not (isinstance(group["update_proj_gap"], int) and group["update_proj_gap"] >= 1):
-                raise MethodError(f"galore: update_proj_gap must be a positive integer, "
-                                  f"not {group['update_proj_gap']!r}")
-            if group["proj_type"] not in PROJ_TYPES:
-                raise MethodError(f"galore: proj_type must be one of {', '.join(PROJ_TYPES)}, "
-                                  f"not {group['proj_type']!r}")
             for p in group["params"]:
                 if p.dim() != 2:
                     raise MethodError(f"galore: only 2-D weights can be projected, got shape "
@@ -220,6 +192,8 @@ class GaLore(Method):
     # The authors' LLaMA pre-training settings (README; rank 128 is the 60M one).
     defaults = dict(lr=0.01, rank=128, update_proj_gap=200, scale=0.25, proj_type="std",
                     target_modules=list(TARGET_MODULES))
+    choices = {"proj_type": PROJ_TYPES}
+    ranges = {"rank": "[1, inf)", "update_proj_gap": "[1, inf)"}
 
     def make_optimizer(self, model):
         return GaLoreAdamW(param_groups(model, self.hp), **self.adam_args)

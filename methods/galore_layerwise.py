@@ -14,14 +14,15 @@ weights, same state); only when it runs differs:
 The hooks are methods/_common/release.py's, shared with AdamA. Only one micro-batch per step:
 with N micro-batches every micro-batch's backward would run a full update, N optimizer
 steps instead of one (the gradient-accumulation problem of galore-torch's per-layer mode,
-jiaweizzhao/GaLore#78), so `micro_batches` other than 1 is refused. Like AdamA it cannot
+jiaweizzhao/GaLore#78), so `micro_batches` other than 1 is refused
+(`max_micro_batches = 1`). Like AdamA it cannot
 serve what needs all gradients after backward (global gradient-norm clipping, fp16 loss
 scaling). Compared with galore.py, peak memory loses the gradient buffer (one
 parameter's gradient alive at a time); the SVD refreshes run inside backward.
 """
 from __future__ import annotations
 
-from bench.method import MethodError, lm_loss
+from bench.method import lm_loss
 from methods._common.release import GradientRelease
 from methods.galore import GaLore, GaLoreAdamW, param_groups
 
@@ -47,16 +48,10 @@ class LayerwiseGaLoreAdamW(GaLoreAdamW):
 
 class GaLoreLayerwise(GaLore):
     defaults = {**GaLore.defaults, "micro_batches": 1}
-    max_micro_batches = 1
+    max_micro_batches = 1  # the update runs inside every backward (galore accumulates)
 
     def make_optimizer(self, model):
-        hp = self.hp
-        if hp["micro_batches"] != 1:
-            raise MethodError(f"galore_layerwise: micro_batches={hp['micro_batches']} is not supported: "
-                              f"the update runs inside every backward, so each micro-batch would make "
-                              f"its own optimizer step; use micro_batches=1 (or galore, which "
-                              f"accumulates, stacked with grad_accum)")
-        return LayerwiseGaLoreAdamW(param_groups(model, hp), **self.adam_args)
+        return LayerwiseGaLoreAdamW(param_groups(model, self.hp), **self.adam_args)
 
     def train_step(self, model, optimizer, batch):
         loss = lm_loss(model, batch)

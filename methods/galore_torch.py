@@ -26,21 +26,21 @@ from __future__ import annotations
 
 import torch
 
-from bench.method import Method, MethodError
-from methods.galore import GaLore, split_params
+from bench.method import Method, require_package
+from methods._common.lowrank import split_params
+from methods.galore import GaLore
 
 
 class GaLoreTorch(Method):
     paper = ("galore-torch 1.0 (GaLoreAdamW), Zhao et al., GaLore: Memory-Efficient LLM Training "
              "by Gradient Low-Rank Projection, ICML 2024, arXiv 2403.03507")
     defaults = dict(GaLore.defaults)
+    choices, ranges = GaLore.choices, GaLore.ranges
+    peer_of = "galore"
+    package = "galore-torch==1.0"
 
     def make_optimizer(self, model):
-        try:
-            from galore_torch import GaLoreAdamW
-        except Exception as e:  # ImportError, or bitsandbytes failing to load its library
-            raise MethodError(f"galore_torch needs `pip install galore-torch==1.0` (which imports "
-                              f"bitsandbytes and transformers): {type(e).__name__}: {e}") from None
+        GaLoreAdamW = require_package("galore_torch", self.package, self.name).GaLoreAdamW
         hp = self.hp
         projected, rest = split_params(model, hp["target_modules"])
         groups = [{"params": rest},

@@ -28,8 +28,8 @@ operation counts, not a measurement), and the
 activations saved for backward stay alive until the second pass ends (a single backward
 frees them as it goes), so the peak is held over both passes; the gradients are still
 released one at a time in both passes. Default None: the method's memory row is LOMO's
-own; `lomo@clip_grad_norm=1.0` is the authors' setting (both measured side by side in
-the memory profile).
+own; `lomo@clip_grad_norm=1.0` is the authors' setting (list both in a suite's `methods`
+to measure them side by side).
 
 Left out: the fp16 dynamic loss scaler of `lomo-optim` (the suite trains in float32 or
 bfloat16, where scaling the loss by a power of two changes no gradient), and DeepSpeed
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.method import Method, MethodError, lm_loss
+from bench.method import Method, lm_loss
 from methods._common.release import GradientRelease
 
 
@@ -62,8 +62,6 @@ class LomoOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-2, weight_decay=0.0, clip_grad_norm=None,
                  clip_grad_value=None):
-        if clip_grad_norm is not None and clip_grad_norm <= 0:
-            raise MethodError(f"clip_grad_norm must be positive or None, not {clip_grad_norm}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
         self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
@@ -127,9 +125,9 @@ class Lomo(Method):
     # needs a sweep (config). weight_decay 0 as there.
     defaults = dict(lr=3e-2, weight_decay=0.0, clip_grad_norm=None, clip_grad_value=None)
     max_micro_batches = 1  # the update runs inside every backward
+    ranges = {"clip_grad_norm": "(0, inf)"}  # or None: no clipping
 
     def make_optimizer(self, model):
-        check_one_micro_batch(self)
         hp = self.hp
         return LomoOptimizer(model.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"],
                              clip_grad_norm=hp["clip_grad_norm"],
@@ -142,15 +140,6 @@ class Lomo(Method):
 
     def state_tensors(self, optimizer):
         return []  # SGD: no state
-
-
-def check_one_micro_batch(method: Method) -> None:
-    n = method.hp["micro_batches"]
-    if n != 1:
-        raise MethodError(f"{method.name}: micro_batches={n} is not supported: the update runs "
-                          f"inside every backward, so each micro-batch would make its own "
-                          f"optimizer step (gradients are never accumulated); use "
-                          f"micro_batches=1")
 
 
 METHOD = Lomo

@@ -187,17 +187,7 @@ class MicroAdamOptimizer(PerParameterOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  m=10, k=0.01, alpha=0.0, topk_block=4096, quant_block=256):
-        if not (isinstance(m, int) and m >= 1):
-            raise MethodError(f"microadam: m (window length) must be an integer >= 1, not {m!r}")
-        if not 0 < k <= 1:
-            raise MethodError(f"microadam: k (top-k density) must be in (0, 1], not {k!r}")
-        if not 0 <= alpha < 1:
-            raise MethodError(f"microadam: alpha must be 0 (off) or in (0, 1), not {alpha!r}")
-        if not (isinstance(topk_block, int) and 1 <= topk_block < INDEX_LIMIT):
-            raise MethodError(f"microadam: topk_block must be an integer in [1, {INDEX_LIMIT}) "
-                              f"so that indices fit int16, not {topk_block!r}")
-        if not (isinstance(quant_block, int) and quant_block >= 1):
-            raise MethodError(f"microadam: quant_block must be an integer >= 1, not {quant_block!r}")
+        # the values allowed: MicroAdam.ranges
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.m, self.k, self.alpha = m, k, alpha
         self.topk_block, self.quant_block = topk_block, quant_block
@@ -305,6 +295,10 @@ class MicroAdam(Method):
     paper = ("Modoranu et al., MicroAdam: Accurate Adaptive Optimization with Low Space Overhead "
              "and Provable Convergence, NeurIPS 2024, arXiv 2405.15593")
     defaults = dict(m=10, k=0.01, alpha=0.0, topk_block=4096, quant_block=256)
+    # m: window length; k: top-k density; alpha: densification, 0 (off) or below 1;
+    # topk_block: indices within a block must fit int16
+    ranges = {"m": "[1, inf)", "k": "(0, 1]", "alpha": "[0, 1)",
+              "topk_block": f"[1, {INDEX_LIMIT})", "quant_block": "[1, inf)"}
 
     def make_optimizer(self, model):
         hp = self.hp

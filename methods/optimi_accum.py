@@ -14,9 +14,11 @@ from bench.method import Method, accumulate, require_package
 class OptimiAccumulation(Method):
     paper = "torch-optimi 0.3.3, optimizer accumulation (approximates AdamA, arXiv 2305.19982)"
     defaults = dict(micro_batches=4)
+    peer_of = "adama"
+    package = "torch-optimi==0.3.3"
 
     def make_optimizer(self, model):
-        optimi = require_package("optimi", "torch-optimi==0.3.3", self.name)
+        optimi = require_package("optimi", self.package, self.name)
         optimizer = optimi.AdamW(model.parameters(), **self.adam_args, gradient_release=True)
         # the memory tracker's own gradient hooks may already be registered
         optimi.prepare_for_gradient_release(model, optimizer, ignore_existing_hooks=True)

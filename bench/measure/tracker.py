@@ -21,6 +21,10 @@ Categories, and what puts a storage in one:
 A storage's category is the latest label it received; params and inputs registered by
 hand keep theirs. The tracker works on real tensors (the *tracked* tier, CPU) and on
 fake tensors (`FakeTensorMode`, the *simulated* tier): it only reads sizes.
+A wrapper tensor subclass (torchao's quantised optimizer states and the views its ops
+return) holds no storage of its own: its `untyped_storage()` claims numel x its dtype's
+size, memory it does not hold, so the tracker counts its inner tensors instead
+(`bench.hooks.inner_tensors`).
 What it cannot see: the allocator (caching, fragmentation, CUDA context, library
 workspaces). On CUDA the *measured* tier adds the allocator's own peak beside it; on
 fake tensors, `events=` records the allocation order for `bench.measure.allocator` to replay.
@@ -37,11 +41,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from bench.hooks import CapacityExceeded, Tracker, inner_tensors  # CapacityExceeded: raised here
 from bench.job import CATEGORIES
-
-
-class CapacityExceeded(RuntimeError):
-    """Live tensor bytes went over the configured memory capacity (a simulated OOM)."""
 
 
 @dataclass
@@ -64,12 +65,13 @@ class MemorySplit:
         return row
 
 
-class MemoryTracker(TorchDispatchMode):
+class MemoryTracker(TorchDispatchMode, Tracker):
     """Track live tensor bytes by category; see the module docstring.
 
     Use as a context manager around the training steps, after registering what existed
     before (`register_model`, `register`). `capacity_bytes` turns the tracker into a
-    memory cap: going over it raises `CapacityExceeded`.
+    memory cap: going over it raises `CapacityExceeded`. What methods may use of it is
+    `bench.hooks.Tracker` (they find it with `bench.hooks.active_tracker`).
     """
 
     def __init__(self, capacity_bytes: int | None = None, round_to: int = 1,
@@ -92,6 +94,10 @@ class MemoryTracker(TorchDispatchMode):
         return -(-n // self.round_to) * self.round_to
 
     def _add(self, tensor: torch.Tensor, category: str, pinned: bool, relabel: bool) -> None:
+        if hasattr(type(tensor), "__tensor_flatten__"):  # a wrapper: no storage of its own
+            for inner in inner_tensors(tensor):
+                self._add(inner, category, pinned, relabel)
+            return
         storage = tensor.untyped_storage()
         key = storage._cdata
         entry = self._live.get(key)

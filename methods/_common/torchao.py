@@ -27,9 +27,10 @@ also has a float32 step tensor (4 bytes) and each group a float32 lr tensor.
 How the suite sees them. The subclasses are wrapper tensors without storage of their
 own: `state_tensors` returns their inner tensors (codes, scales, maps), which the
 tracker counts exactly, and during the step the tracker counts any wrapper an op
-returns by its inner tensors too (`_tracker_counts_inner_tensors`: a wrapper's
-`untyped_storage()` claims numel x 4 bytes it does not hold). The tracker (a TorchDispatchMode) sees an op on a subclass (a
-`lerp`, a `copy_`) before the subclass handles it; the temporaries the subclass makes
+returns by its inner tensors too (its own rule, `bench.hooks.inner_tensors`: a
+wrapper's `untyped_storage()` claims numel x 4 bytes it does not hold). The tracker (a
+TorchDispatchMode) sees an op on a subclass (a `lerp`, a `copy_`) before the subclass
+handles it; the temporaries the subclass makes
 inside (dequantised values, index tensors of the quantiser) are made with the mode off
 the stack, so `step` re-enters the active modes inside the subclasses' handlers
 (`_modes_see_inside`): every temporary of the update is then tracked as `other`, on real
@@ -50,6 +51,7 @@ import contextlib
 
 import torch
 
+from bench.hooks import inner_tensors
 from bench.method import Method, require_package
 
 PIP = "torchao==0.18.0"
@@ -76,48 +78,6 @@ def _build_code_maps() -> None:
         for module in (subclass_8bit, subclass_4bit):
             module.get_qmap_signed()
             module.get_qmap_unsigned()
-
-
-def inner_tensors(value) -> list[torch.Tensor]:
-    """The tensors that hold a (possibly subclass) tensor's memory."""
-    if not isinstance(value, torch.Tensor):
-        return []
-    if hasattr(type(value), "__tensor_flatten__"):
-        names, _ = value.__tensor_flatten__()
-        return [t for n in names for t in inner_tensors(getattr(value, n))]
-    return [value]
-
-
-@contextlib.contextmanager
-def _tracker_counts_inner_tensors():
-    """While active, a `MemoryTracker` on the dispatch-mode stack counts a wrapper
-    subclass (torchao's optimizer states and the views it makes of them) by its inner
-    tensors. Without this, the tracker reads a wrapper's `untyped_storage()`, which
-    reports numel x the appearance dtype's size although it holds no memory: phantom
-    bytes (8 per parameter for the two states alone, more for the step's temporary
-    `.float()` views). The tracker could apply the same rule itself; then this is a no-op."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from bench.measure.tracker import MemoryTracker
-
-    trackers = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, MemoryTracker)]
-    patched = []
-    for tracker in trackers:
-        if "_add" in tracker.__dict__:
-            continue  # already patched by an outer call
-        original = tracker._add
-
-        def add(tensor, category, pinned, relabel, _original=original):
-            for t in inner_tensors(tensor):
-                _original(t, category, pinned, relabel)
-
-        tracker._add = add
-        patched.append(tracker)
-    try:
-        yield
-    finally:
-        for tracker in patched:
-            del tracker._add
 
 
 @contextlib.contextmanager
@@ -176,9 +136,11 @@ class TorchaoAdamW(Method):
     optimizer_name = ""
     paper = ""
     defaults = dict(block_size=256, bf16_stochastic_round=False, compile=True)
+    peer_of = "adama_8bit"  # the suite's own block-wise low-bit Adam moments
+    package = PIP
 
     def make_optimizer(self, model):
-        optim = require_package("torchao.optim", PIP, self.name)
+        optim = require_package("torchao.optim", self.package, self.name)
         _build_code_maps()
         hp = self.hp
         inner = getattr(optim, self.optimizer_name)(
@@ -193,7 +155,7 @@ class TorchaoAdamW(Method):
             eager = not hp["compile"] or bool(_get_current_dispatch_mode_stack())
             self.report["step"] = "eager" if eager else "torch.compile"
             stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
-            with stance, _tracker_counts_inner_tensors(), _modes_see_inside(classes):
+            with stance, _modes_see_inside(classes):
                 return original_step(closure)
 
         inner.step = step

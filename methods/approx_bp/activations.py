@@ -3,7 +3,7 @@
 Yang, Shi, Wang, Zhen, Shi, Xu, "Reducing Fine-Tuning Memory Overhead by Approximate and
 Memory-Sharing Backpropagation", ICML 2024, arXiv 2406.16282 (code: yyyyychen/LowMemoryBP,
 package `lomem`, CUDA only). Pure PyTorch here, through the same layer as `fewbit`
-(`methods.fewbit.activation`): only the table differs.
+(`methods._common.step_activation`): only the table differs.
 
 The paper's Approx-BP theory lets the backward use the derivative of a different
 primitive h~ than the forward's f. For GELU and SiLU it picks h~ as a sum of 2^k - 1
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from methods.fewbit.activation import StepDerivativeActivation, swap_activations
+from methods._common.step_activation import StepDerivativeActivation, swap_activations
 
 REGELU2_A = (-0.04922261145617846, 1.0979632065417297, -0.048740595085551286)
 REGELU2_C = (-3.1858810036855245, -0.001178821281161997, 3.190832613414926)
@@ -55,7 +55,7 @@ TABLES = {
     "regelu2": step_table(REGELU2_A, REGELU2_C),
     "resilu2": step_table(RESILU2_A, RESILU2_C),
 }
-# derivative name (methods.fewbit.activation.derivative_name) -> Approx-BP's replacement
+# derivative name (methods._common.step_activation.derivative_name) -> Approx-BP's replacement
 REPLACEMENT = {"gelu": "regelu2", "gelu_tanh": "regelu2", "silu": "resilu2"}
 BITS = 2
 

@@ -37,14 +37,16 @@ from torch import nn
 
 from bench.method import Method
 
+from methods._common.step_activation import StepDerivativeActivation, swap_activations
+
 from . import tables
-from .activation import StepDerivativeActivation, swap_activations
 
 
 class FewBit(Method):
     paper = ("Novikov, Bershatsky, Gusak, Shonenkov, Dimitrov, Oseledets, Few-Bit Backward: "
              "Quantized Gradients of Activation Functions for Memory Footprint Reduction, ICML 2022")
     defaults = dict(bits=3, weight="uniform", interval=list(tables.INTERVAL))
+    ranges = {"bits": "[1, 8]"}
     incompatible = frozenset({"approx_bp"})  # it replaces the same activations
 
     def table_for(self, name: str):

@@ -83,7 +83,8 @@ def markdown(rows: list[dict], approx: list[dict]) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="membench fewbit-compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--published", type=Path, help="fewbit's builtin.npz (default: the tables quoted in METHODS.md)")
+    parser.add_argument("--published", type=Path,
+                        help="fewbit's builtin.npz (default: the tables quoted in METHODS.md)")
     parser.add_argument("--out", type=Path, help="write the Markdown table here (default: print it)")
     args = parser.parse_args(argv)
     published = load_published(args.published) if args.published else QUOTED

@@ -32,10 +32,12 @@ The learning rate, eps and weight decay are read from the optimizer at every ste
 betas and whether weight decay is on are traced in (a change re-traces). Dropout draws
 from the same generator in the same op order as the eager step (random ops keep their
 order). A parameter that gets no gradient keeps zero moments and is not updated (torch's
-AdamW would keep no state for it; the suite's models have none). Hyperparameters: `planner` (`roam`, `exact`, `greedy`, `update_early`,
-`default`), `time_limit` (seconds of solver time per plan), `window` (allocating ops per
-first window), `exact_max_ops`, `layout` (`best_fit`, `first_fit`, `exact`, `none`),
-`workers` (solver threads). `micro_batches` must be 1.
+AdamW would keep no state for it; the suite's models have none).
+
+Hyperparameters: `planner` (`roam`, `exact`, `greedy`, `update_early`, `default`),
+`time_limit` (seconds of solver time per plan), `window` (allocating ops per first
+window), `exact_max_ops`, `layout` (`best_fit`, `first_fit`, `exact`, `none`), `workers`
+(solver threads). One micro-batch per step (`max_micro_batches = 1`).
 
 Memory categories: the runner's tracker sees every storage, as for eager training;
 inside the captured graph nothing is saved by autograd and no `.grad` is set, so the
@@ -55,14 +57,13 @@ step run on the fake tensors.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
 from methods.roam import graph as stepgraph
 from methods.roam import planners
-from bench.measure.tracker import CapacityExceeded, MemoryTracker
+from bench.hooks import CapacityExceeded, active_tracker, untracked
 from bench.method import Method, MethodError, require_package
 
 LAYOUTS = ("best_fit", "first_fit", "exact", "none")
@@ -100,25 +101,20 @@ class Roam(Method):
                     layout="best_fit", workers=2)
     incompatible = frozenset({"checkpointing"})  # recomputation is not part of the traced step
     plans_per_shape = True  # the first step at a batch shape is traced and planned
+    max_micro_batches = 1  # it plans one whole training step
+    choices = {"planner": planners.PLANNERS, "layout": LAYOUTS}
 
     def __init__(self):
         super().__init__()
         self._compiled: _Compiled | None = None
 
-    def _check(self):
+    def _require_solver(self):
         hp = self.hp
-        if hp["micro_batches"] != 1:
-            raise MethodError("roam plans one whole training step; micro_batches must be 1 "
-                              f"(got {hp['micro_batches']})")
-        if hp["planner"] not in planners.PLANNERS:
-            raise MethodError(f"roam: planner must be one of {', '.join(planners.PLANNERS)}")
-        if hp["layout"] not in LAYOUTS:
-            raise MethodError(f"roam: layout must be one of {', '.join(LAYOUTS)}")
         if hp["planner"] in ("roam", "exact") or hp["layout"] == "exact":
             require_package("ortools.sat.python.cp_model", "ortools==9.15.6755", "roam")
 
     def make_optimizer(self, model):
-        self._check()
+        self._require_solver()
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                  **self.adam_args, foreach=False)
 
@@ -128,7 +124,7 @@ class Roam(Method):
 
     # -- the step --------------------------------------------------------------------------
     def train_step(self, model, optimizer, batch):
-        self._check()
+        self._require_solver()
         group = optimizer.param_groups[0]
         if len(optimizer.param_groups) != 1:
             raise MethodError("roam: the optimizer must have one parameter group")
@@ -149,7 +145,7 @@ class Roam(Method):
         for t, x in zip(c.scalars, values.values()):
             t.fill_(x)
         inputs = c.inputs + [batch[k] for k in c.step.batch_keys]
-        tracker = _active_tracker()
+        tracker = active_tracker()
         module = c.labelled() if tracker is not None else c.module
         if tracker is not None:
             _TRACKER.append(tracker)
@@ -174,10 +170,10 @@ class Roam(Method):
     def _capture_and_plan(self, model, batch, params, states, values, key):
         hp = self.hp
         self._compiled = None
-        tracker = _active_tracker()
+        tracker = active_tracker()
         scalars = {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
         result: dict = {}
-        with _untracked():
+        with untracked():
             t0 = time.perf_counter()
             step = stepgraph.capture_adamw_step(
                 model, batch, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
@@ -244,28 +240,6 @@ class Roam(Method):
                 "first_fit_peak_address_bytes": first.peak_address,
                 "layout_fragmentation": round(chosen.fragmentation, 6),
                 "layout_s": round(time.perf_counter() - t0, 3)}
-
-
-@contextlib.contextmanager
-def _untracked():
-    """Run without the memory tracker (other modes, e.g. fake tensors, stay on): tracing
-    keeps fake copies of every value, and planning is not the training step."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes() as modes, contextlib.ExitStack() as stack:
-        for mode in reversed(modes):  # bottom of the stack first
-            if not isinstance(mode, MemoryTracker):
-                stack.enter_context(mode)
-        yield
-
-
-def _active_tracker():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, MemoryTracker):
-            return mode
-    return None
 
 
 METHOD = Roam

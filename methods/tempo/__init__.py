@@ -30,7 +30,8 @@ Saving per layer and sequence (S tokens, hidden H, A heads, e bytes per element)
 S*4H*(e - 1/8) (BERT; GPT-2's Python GELU saved four tensors, so S*4H*(4e - 1/8)),
 LayerNorm S*H*e per norm, attention A*S^2*(e + 1 - 1/8) (the baseline's mask is bool on
 CUDA, and in the suite's CPU memory jobs, which run dropout through the same fused kernel;
-PyTorch's plain CPU dropout keeps its mask in the activation dtype: A*S^2*(2e - 1/8)). Tempo does nothing where these layers are absent or already lean:
+PyTorch's plain CPU dropout keeps its mask in the activation dtype: A*S^2*(2e - 1/8)).
+Tempo does nothing where these layers are absent or already lean:
 SDPA/flash attention kernels never materialise the SxS probabilities (PyTorch's CPU
 math fallback for SDPA with dropout does; Tempo swaps eager attention only), attention
 dropout 0 saves nothing twice, and LLaMA has SwiGLU and RMSNorm. `self.report` says what
@@ -471,7 +472,8 @@ class Tempo(Method):
         if gelus:
             report["gelu_variants"] = dict(gelus)
         report["layernorm"] = (norms if norms else
-                               f"not replaced: no nn.LayerNorm in the model (norms: {', '.join(sorted(other_norms)) or 'none'})")
+                               f"not replaced: no nn.LayerNorm in the model "
+                               f"(norms: {', '.join(sorted(other_norms)) or 'none'})")
         report["attention"] = self._swap_attention(model, pack)
         if not (gelus or norms or isinstance(report["attention"], int)):
             report["summary"] = "nothing replaced: Tempo leaves this model as it is (memory unchanged)"

@@ -147,7 +147,9 @@ def test_micro_batches_are_refused():
 
     assert AdaLomo.max_micro_batches == 1
     with pytest.raises(MethodError, match="adalomo: micro_batches=4 is not supported"):
-        load("adalomo", {"micro_batches": 4}).make_optimizer(gpt2())
+        load("adalomo", {"micro_batches": 4})
+    with pytest.raises(MethodError, match=r"'decay_rate' must be in \(-inf, 0\), not 0.5"):
+        load("adalomo", {"decay_rate": 0.5})
 
 
 def test_it_learns(tiny_job):

@@ -13,7 +13,7 @@ from bench.measure import runner
 from bench.method import MethodError, load
 from conftest import lm_batch
 from methods.apollo import APOLLOAdamW, state_elements
-from methods.galore import TARGET_MODULES, split_params
+from methods._common.lowrank import TARGET_MODULES, split_params
 
 HP = dict(rank=16)  # llama-tiny is 128 wide: rank 16 projects
 
@@ -180,10 +180,12 @@ def test_paper_defaults_and_validation():
         0.01, 256, 200, 1.0, "channel", 1e-6)
     mini = load("apollo_mini").hp
     assert (mini["rank"], mini["scale"], mini["scale_type"]) == (1, 128.0, "tensor")
-    with pytest.raises(MethodError, match="scale_type must be one of"):
-        load("apollo", {"scale_type": "row"}).make_optimizer(build())
-    with pytest.raises(MethodError, match="rank must be a positive integer"):
-        load("apollo", {"rank": 0}).make_optimizer(build())
+    with pytest.raises(MethodError, match="'scale_type' must be one of \"channel\", \"tensor\""):
+        load("apollo", {"scale_type": "row"})
+    with pytest.raises(MethodError, match=r"'rank' must be in \[1, inf\), not 0"):
+        load("apollo", {"rank": 0})
+    with pytest.raises(MethodError, match="'scale_type' must be one of"):
+        load("apollo_torch@scale_type=row")  # the peer declares what ours does
 
 
 # -- the per-layer variant -------------------------------------------------------------------
@@ -209,6 +211,6 @@ def test_layerwise_equals_apollo_and_releases_gradients(hp):
 
 def test_layerwise_refuses_micro_batches(tiny_job):
     with pytest.raises(MethodError, match="micro_batches=2 is not supported"):
-        load("apollo_layerwise", {"micro_batches": 2}).make_optimizer(build())
+        load("apollo_layerwise", {"micro_batches": 2})
     record = runner.run(tiny_job(method="apollo_layerwise", hparams={"micro_batches": 2}))
     assert record["status"] == "error" and "micro_batches=2" in record["message"]

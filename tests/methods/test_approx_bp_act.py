@@ -15,7 +15,7 @@ from bench.measure.tracker import MemoryTracker
 from bench.method import load
 from methods.approx_bp import activations as A
 from methods.fewbit import tables as T
-from methods.fewbit.activation import StepDerivativeActivation
+from methods._common.step_activation import StepDerivativeActivation
 
 F64 = torch.float64
 PAIRS = {"regelu2": (A.ReGELU2, F.gelu, A.REGELU2_A, A.REGELU2_C, "gelu"),

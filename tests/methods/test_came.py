@@ -179,5 +179,7 @@ def test_paper_defaults():
         2e-4, (0.9, 0.999, 0.9999), (1e-30, 1e-16), 0.01, 1.0)
     with pytest.raises(MethodError, match="option 'betas' takes a tuple like"):
         load("came", {"betas": [0.9, 0.999]})  # caught when the config is read
-    with pytest.raises(MethodError, match="three numbers"):
-        load("came", {"betas": [0.9, 0.999, 1.5]}).make_optimizer(build())
+    with pytest.raises(MethodError, match=r"'betas' must have every element in \[0, 1\)"):
+        load("came", {"betas": [0.9, 0.999, 1.5]})
+    with pytest.raises(MethodError, match=r"'eps' must have every element in \[0, inf\)"):
+        load("came_pytorch", {"eps": [1e-30, -1.0]})

@@ -6,6 +6,7 @@ import torch
 
 from bench import models
 from bench.measure import runner
+from bench import method as method_module
 from bench.method import Method, MethodError, Stack, available, load, split_batch
 from conftest import lm_batch
 
@@ -123,3 +124,87 @@ def test_a_variant_fixes_hyperparameters_over_overrides():
     assert load("checkpointing+grad_accum@micro_batches=2").hp["micro_batches"] == 2
     with pytest.raises(MethodError, match="expected name@key=value"):
         load("grad_accum@micro_batches")
+
+
+# -- declared option values --------------------------------------------------------------------
+
+def test_declared_choices_and_ranges_reject_bad_values_naming_the_key():
+    class Declared(Method):
+        paper = "d"
+        defaults = dict(mode="a", rank=4, frac=0.5, pair=(0.1, 0.2), cap=None)
+        choices = {"mode": ("a", "b")}
+        ranges = {"rank": "[1, inf)", "frac": "(0, 1]", "pair": "[0, 1)", "cap": "(0, inf)"}
+
+    def loaded(**overrides):
+        method = Declared()
+        for key, value in overrides.items():
+            method.hp[key] = value
+        method_module._check_declared("declared", [method])
+        return method
+
+    assert loaded(mode="b", rank=1, frac=1.0, pair=(0.0, 0.99), cap=2.0).hp["cap"] == 2.0
+    assert loaded(cap=None).hp["cap"] is None  # None passes where the default is None
+    bad = {
+        "mode": ("c", "option 'mode' must be one of \"a\", \"b\", not \"c\""),
+        "rank": (0, "option 'rank' must be in [1, inf), not 0"),
+        "frac": (0.0, "option 'frac' must be in (0, 1], not 0.0"),
+        "pair": ((0.5, 1.0), "option 'pair' must have every element in [0, 1), not [0.5, 1.0]"),
+        "cap": (0, "option 'cap' must be in (0, inf), not 0"),
+    }
+    for key, (value, message) in bad.items():
+        with pytest.raises(MethodError) as err:
+            loaded(**{key: value})
+        assert message in str(err.value), key
+    with pytest.raises(MethodError, match="'rank' must be in .*, not null"):
+        loaded(rank=None)  # the default is not None: None is not a value of it
+
+
+def test_load_checks_the_declarations_of_every_member():
+    with pytest.raises(MethodError, match="galore@proj_type=bogus: option 'proj_type' must be one of "
+                                          "\"std\", \"reverse_std\", \"left\", \"right\", \"full\""):
+        load("galore@proj_type=bogus")
+    with pytest.raises(MethodError, match=r"checkpointing\+galore: option 'rank' must be in \[1, inf\)"):
+        load("checkpointing+galore", {"rank": 0})
+    with pytest.raises(MethodError, match="micro_batches=4 is not supported: lomo takes at most 1"):
+        load("checkpointing+lomo", {"micro_batches": 4})
+    with pytest.raises(MethodError, match="micro_batches=0 is not supported"):
+        load("grad_accum", {"micro_batches": 0})
+
+
+def test_every_declaration_names_an_option_and_holds_for_the_defaults():
+    for name in available():
+        cls = importlib.import_module(f"methods.{name}").METHOD
+        options = set(load(name).hp)  # loading checks the defaults against the declarations
+        assert set(cls.choices) <= options, (name, set(cls.choices) - options)
+        assert set(cls.ranges) <= options, (name, set(cls.ranges) - options)
+        assert all(isinstance(c, tuple) and c for c in cls.choices.values()), name
+        for interval in cls.ranges.values():
+            method_module._within(1, interval)  # parses, or raises
+
+
+# -- peers -------------------------------------------------------------------------------------
+
+def test_every_peer_names_the_method_it_is_compared_against():
+    peers = {}
+    for name in available():
+        module = importlib.import_module(f"methods.{name}")
+        cls = module.METHOD
+        calls_itself_a_peer = module.__doc__.lstrip().startswith("Peer:")
+        assert calls_itself_a_peer == (cls.peer_of is not None), name
+        if cls.peer_of is not None:
+            assert cls.peer_of in available() and cls.peer_of != name, (name, cls.peer_of)
+            assert importlib.import_module(f"methods.{cls.peer_of}").METHOD.peer_of is None, name
+            assert cls.package and "==" in cls.package, f"{name}: package is a pinned pip requirement"
+            peers[name] = cls.peer_of
+    assert peers["galore_torch"] == "galore" and peers["apollo_torch"] == "apollo"
+    assert {"adam_mini_pkg", "came_pytorch", "torchao_adamw8bit", "optimi_accum"} <= set(peers)
+
+
+def test_a_missing_package_is_a_method_error_naming_it(monkeypatch):
+    import sys
+
+    from bench.method import require_package
+
+    monkeypatch.setitem(sys.modules, "no_such_peer_package", None)
+    with pytest.raises(MethodError, match=r"peer needs `pip install nope==1.0` \(ModuleNotFoundError"):
+        require_package("no_such_peer_package", "nope==1.0", "peer")

@@ -19,7 +19,7 @@ from bench.measure.tracker import MemoryTracker
 from bench.method import load
 from methods._common import bitpack
 from methods.fewbit import tables as T
-from methods.fewbit.activation import StepDerivativeActivation, swap_activations
+from methods._common.step_activation import StepDerivativeActivation, swap_activations
 
 F64 = torch.float64
 
@@ -168,7 +168,8 @@ def test_weight_and_interval_change_the_table():
 
 def points(dtype=F64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.cat([torch.randn(3000, generator=g, dtype=F64) * 3, torch.tensor([0.0, -50.0, 50.0], dtype=F64)]).to(dtype)
+    tails = torch.tensor([0.0, -50.0, 50.0], dtype=F64)
+    return torch.cat([torch.randn(3000, generator=g, dtype=F64) * 3, tails]).to(dtype)
 
 
 
@@ -209,7 +210,7 @@ def test_low_precision_gradient_in_its_dtype(dtype):
 
 
 def test_layer_in_chunks_equals_one_piece(monkeypatch):
-    from methods.fewbit import activation
+    from methods._common import step_activation as activation
 
     x = points()
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=F64)

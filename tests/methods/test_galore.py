@@ -282,7 +282,7 @@ def test_layerwise_equals_galore():
 
 def test_layerwise_refuses_micro_batches(tiny_job):
     with pytest.raises(MethodError, match="micro_batches=2 is not supported"):
-        load("galore_layerwise", {"micro_batches": 2}).make_optimizer(llama())
+        load("galore_layerwise", {"micro_batches": 2})
     with pytest.raises(MethodError, match="disagree on micro_batches"):
         load("galore_layerwise+grad_accum")
     record = runner.run(tiny_job(method="galore_layerwise", hparams={"micro_batches": 2}))
@@ -300,8 +300,11 @@ def test_paper_defaults_and_config_overrides():
     assert (group["rank"], group["update_proj_gap"], group["scale"]) == (32, 50, 0.25)
     with pytest.raises(MethodError, match="options: .*update_proj_gap"):
         load("galore", {"gap": 50})
-    with pytest.raises(MethodError, match="proj_type must be one of"):
-        load("galore", {"proj_type": "diagonal"}).make_optimizer(llama())
+    with pytest.raises(MethodError, match="'proj_type' must be one of \"std\", \"reverse_std\""):
+        load("galore", {"proj_type": "diagonal"})
+    for spec in ("galore_layerwise", "galore_torch"):  # they declare what galore does
+        with pytest.raises(MethodError, match=r"'update_proj_gap' must be in \[1, inf\), not 0"):
+            load(spec, {"update_proj_gap": 0})
 
 
 # -- memory, as the runner measures it ---------------------------------------------------------

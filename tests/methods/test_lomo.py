@@ -138,7 +138,10 @@ def test_micro_batches_are_refused(tiny_job):
 
     assert Lomo.max_micro_batches == 1
     with pytest.raises(MethodError, match="micro_batches=2 is not supported.*micro_batches=1"):
-        load("lomo", {"micro_batches": 2}).make_optimizer(gpt2())
+        load("lomo", {"micro_batches": 2})
+    with pytest.raises(MethodError, match=r"'clip_grad_norm' must be in \(0, inf\), not 0"):
+        load("lomo", {"clip_grad_norm": 0.0})
+    assert load("lomo", {"clip_grad_norm": None}).hp["clip_grad_norm"] is None  # off
     record = runner.run(tiny_job(method="lomo", hparams={"micro_batches": 2}))
     assert record["status"] == "error" and "micro_batches=2 is not supported" in record["message"]
 

@@ -352,9 +352,14 @@ def test_simulated_tier_equals_tracked(tiny_job):
 
 def test_options_are_checked():
     model = models.build("gpt2-tiny")
-    with pytest.raises(MethodError, match="micro_batches must be 1"):
-        load("roam", {"micro_batches": 2}).make_optimizer(model)
-    with pytest.raises(MethodError, match="planner must be one of"):
-        load("roam", {"planner": "magic"}).make_optimizer(model)
+    with pytest.raises(MethodError, match="micro_batches=2 is not supported: roam takes at most 1"):
+        load("roam", {"micro_batches": 2})
+    with pytest.raises(MethodError, match="micro_batches=4 is not supported: roam takes at most 1"):
+        load("roam+grad_accum")
+    with pytest.raises(MethodError, match="'planner' must be one of \"default\", .*\"roam\", not \"magic\""):
+        load("roam", {"planner": "magic"})
+    with pytest.raises(MethodError, match="'layout' must be one of \"best_fit\""):
+        load("roam", {"layout": "tetris"})
+    assert load("roam", {"planner": "greedy"}).make_optimizer(model)
     with pytest.raises(MethodError, match="cannot be stacked"):
         load("roam+checkpointing")

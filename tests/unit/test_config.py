@@ -149,3 +149,45 @@ def test_all_leaves_out_what_a_method_cannot_do():
     config = mutate(lambda c: c.update(suite="paper-memory"))
     methods = {path.split("/")[5] for path in checked(config)}
     assert "adamw_8bit" not in methods and "adamw" in methods  # simulated: bitsandbytes cannot
+
+
+# Declared option values (a method's `choices` and `ranges`) are checked by the config
+# check itself: a bad value fails before any job, naming the option and what it allows.
+def test_a_variant_outside_its_declared_choices_is_rejected_naming_the_key():
+    config = mutate(lambda c: c["suites"]["quick"].update(methods=["adamw", "galore@proj_type=bogus"]))
+    with pytest.raises(ConfigError) as err:
+        plan.check(config)
+    message = str(err.value)
+    assert "suites/quick/methods/galore@proj_type=bogus" in message
+    assert "option 'proj_type' must be one of \"std\", \"reverse_std\", \"left\", \"right\", \"full\"" in message
+    assert "not \"bogus\"" in message
+
+
+@pytest.mark.parametrize("where, method, params, expected", [
+    ("method_params", "galore", {"proj_type": "bogus"},
+     "option 'proj_type' must be one of \"std\", \"reverse_std\", \"left\", \"right\", \"full\", "
+     "not \"bogus\""),
+    ("method_params", "roam", {"planner": "magic"}, "option 'planner' must be one of \"default\""),
+    ("suites/quick/method_params", "microadam", {"k": 0.0}, "option 'k' must be in (0, 1], not 0.0"),
+    ("suites/quick/method_params", "adama", {"v_norm": "median"}, "option 'v_norm' must be one of"),
+    ("suites/quick/method_params", "lomo", {"micro_batches": 2},
+     "micro_batches=2 is not supported: lomo takes at most 1 micro-batch"),
+])
+def test_method_params_outside_their_declared_values_are_rejected_naming_the_key(
+        where, method, params, expected):
+    def change(c):
+        target = c if where == "method_params" else c["suites"]["quick"]
+        target.update(method_params={method: params})
+
+    with pytest.raises(ConfigError) as err:
+        plan.check(mutate(change))
+    assert f"config key {where}/{method}: " in str(err.value)
+    assert expected in str(err.value)
+
+
+def test_a_stack_member_outside_its_declared_values_is_rejected():
+    config = mutate(lambda c: c["suites"]["quick"].update(
+        methods=["adamw", "checkpointing+galore@rank=0"]))
+    with pytest.raises(ConfigError, match=r"checkpointing\+galore@rank=0: option 'rank' must be in "
+                                          r"\[1, inf\), not 0"):
+        plan.check(config)

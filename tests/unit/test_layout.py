@@ -80,3 +80,45 @@ def test_measurement_does_not_depend_on_the_config_or_report_layers():
     for name, deps in graph.items():
         if name.startswith("bench.measure"):
             assert not {d for d in deps if d.startswith(("bench.suite", "bench.report"))}, name
+
+
+# What a method may import of bench: the contract, never the tool that measures it (nor
+# the config, report or command layers).
+CONTRACT = {"bench.method", "bench.hooks", "bench.job"}
+
+
+def contract_breaches(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(method module, bench module) for each import from methods/ of bench outside the
+    contract."""
+    return sorted((name, dep) for name, deps in graph.items() if name.split(".")[0] == "methods"
+                  for dep in deps if dep.split(".")[0] == "bench" and dep not in CONTRACT)
+
+
+def test_contract_rule_finds_a_planted_import():
+    graph = {"methods.x": {"bench.method", "bench.measure.tracker", "methods._common.optim"},
+             "methods.y.graph": {"bench.suite", "bench.hooks", "bench.job"},
+             "bench.measure.runner": {"bench.method", "bench.measure.tracker"}}
+    assert contract_breaches(graph) == [("methods.x", "bench.measure.tracker"),
+                                        ("methods.y.graph", "bench.suite")]
+
+
+def test_methods_import_only_the_contract_from_bench():
+    graph = import_graph()
+    assert graph["methods.roam"] and graph["methods._common.torchao"]  # it parsed
+    assert contract_breaches(graph) == []
+    # the contract itself stays clear of the measuring tool
+    for name in CONTRACT:
+        assert not {d for d in graph[name] if d.startswith(("bench.measure", "bench.suite",
+                                                             "bench.report"))}, name
+
+
+def test_a_planted_import_of_the_tool_in_a_method_is_caught(tmp_path, monkeypatch):
+    files = {"bench/__init__.py": "", "bench/method.py": "", "bench/measure/__init__.py": "",
+             "bench/measure/tracker.py": "", "methods/__init__.py": "",
+             "methods/fine.py": "from bench.method import Method\n",
+             "methods/planted.py": "def step():\n    from bench.measure.tracker import MemoryTracker\n"}
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    monkeypatch.setitem(globals(), "REPO", tmp_path)  # import_graph reads this tree
+    assert contract_breaches(import_graph()) == [("methods.planted", "bench.measure.tracker")]

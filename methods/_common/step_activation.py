@@ -6,9 +6,9 @@ b-bit code of each input element (bit-packed) for backward, never the input.
                save pack(c, b)           ceil(n b / 8) bytes
     backward:  dx = levels[c] * dy
 
-Used by `fewbit` (the optimal tables of `tables.py`) and `approx_bp` (ReGELU2 and
-ReSiLU2, the paper's fixed 2-bit tables). Pure torch ops of static shapes: CPU, CUDA and
-fake tensors. The borders are compared in x's dtype (a Python float against a bfloat16
+Used by `fewbit` (the optimal tables of methods/fewbit/tables.py) and `approx_bp`
+(ReGELU2 and ReSiLU2, the paper's fixed 2-bit tables). Pure torch ops of static shapes:
+CPU, CUDA and fake tensors. The borders are compared in x's dtype (a Python float against a bfloat16
 tensor is rounded to bfloat16 first), the levels are applied in the gradient's dtype.
 Temporaries beside the saved codes and the output: forward, the codes (1 byte an
 element) and one comparison (1 byte); backward, the unpacked codes (1 byte); the
