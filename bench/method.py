@@ -221,6 +221,11 @@ class Stack(Method):
         return self._owner["state_tensors"].state_tensors(optimizer)
 
 
+def member_names(spec: str) -> list[str]:
+    """The methods a spec stacks: `checkpointing+galore@rank=8` -> ["checkpointing", "galore"]."""
+    return [member.partition("@")[0] for member in spec.split("+")]
+
+
 def parse_variant(member: str) -> tuple[str, dict]:
     """`galore@rank=8,update_proj_gap=50` -> ("galore", {"rank": 8, "update_proj_gap": 50}):
     a method with some hyperparameters fixed, named in configs and results as written."""

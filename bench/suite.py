@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from bench.job import JOB_DEFAULTS, KINDS, PROPERTIES, SCHEMA, Job, cell_suffix
+from bench.method import member_names
 from bench.models import MODELS, is_known, max_positions
 
 
@@ -98,8 +99,7 @@ def resolve_methods(entries: list[str], where: str) -> list[str]:
     for entry in entries:
         names = known if entry == "all" else [entry]
         for name in names:
-            for part in name.split("+"):
-                base = part.partition("@")[0]
+            for base in member_names(name):
                 if base not in known:
                     raise ConfigError(f"config key {where}: unknown method {base!r}; "
                                       f"available: all, {', '.join(known)}")
@@ -127,8 +127,7 @@ def method_params(config: dict, suite: dict, method: str) -> dict:
     """Overrides for one method (stack members each get theirs): the top level's, then the
     suite's on top."""
     params: dict = {}
-    for part in method.split("+"):
-        base = part.partition("@")[0]  # a variant's own values win later, in load()
+    for base in member_names(method):  # a variant's own values win later, in load()
         for source in (config.get("method_params", {}), suite.get("method_params", {})):
             params.update(source.get(base, {}))
     return params
