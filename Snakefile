@@ -14,6 +14,8 @@ import yaml
 from snakemake.utils import min_version
 
 min_version("9.0")
+from bench import recovery  # before Snakemake checks its lock: a dead run's lock is removed
+recovery.at_parse(workflow)  # (bench/recovery.py says when it is safe), this run recorded
 
 from bench.suite import PRIORITY, ConfigError, check, groups, rule_name
 from bench.report.figures import FIGURES
@@ -25,6 +27,7 @@ try:
     config.update(checked)
 except ConfigError as e:
     raise WorkflowError(f"bad config: {e}") from None
+recovery.set_aside_unreadable(JOBS, workflow)  # a planned result that cannot be read runs again
 
 PYTHON = sys.executable
 CATEGORIES = yaml.safe_load(open("bench/report/captions/categories.yaml"))
@@ -100,7 +103,7 @@ rule aggregate:
         summary="results/summary.csv",
         curves="results/curves.csv",
     log: "results/logs/aggregate.log"
-    shell: "{PYTHON} -m bench.report.aggregate --summary {output.summary} --curves {output.curves} {input} 2> {log}"
+    shell: "{PYTHON} -m bench aggregate --summary {output.summary} --curves {output.curves} {input} 2> {log}"
 
 
 rule figures:
@@ -115,7 +118,7 @@ rule figures:
                 category=CATEGORIES[name]) for name in FIGURES],
         expand("results/figures/{name}.pdf", name=FIGURES),
     log: "results/logs/figures.log"
-    shell: "{PYTHON} -m bench.report.figures --summary {input.summary} --curves {input.curves} --out results/figures 2> {log}"
+    shell: "{PYTHON} -m bench figures --summary {input.summary} --curves {input.curves} --out results/figures 2> {log}"
 
 
 rule paper:
@@ -125,4 +128,4 @@ rule paper:
         claims="paper/claims.yaml",
         figures=expand("results/figures/{name}.png", name=FIGURES),
     output: "paper/results.md"
-    shell: "{PYTHON} -m bench.report.markdown --summary {input.summary} --claims {input.claims} --out {output}"
+    shell: "{PYTHON} -m bench report --summary {input.summary} --claims {input.claims} --out {output}"

@@ -35,9 +35,17 @@ import time
 
 from bench import models
 from bench.errors import first_line
-from bench.job import CATEGORIES, DTYPE_NAMES, Job
+from bench.job import CATEGORIES, DTYPE_NAMES, PROPERTIES, Job
 
 GiB = 2**30
+
+# `membench fit`'s defaults, stated once (its flags, `run` and `answer` take them from here).
+# They differ from a suite job's (config/schema.yaml) on purpose: fit asks about a model of
+# the papers' size on a GPU, so bfloat16 (how such models train; a CPU job's is float32),
+# a step of 8 x 512 tokens, the four usual GPU sizes, and a search up to batch 4096 (a
+# suite's capacity search stops at 1024; a 24-80 GiB GPU fits more sequences of a small model).
+FIT_DEFAULTS = dict(batch_size=8, seq_len=512, dtype="bfloat16", memory_gb=[16, 24, 40, 80],
+                    max_batch=4096, attn_implementation="sdpa", seed=0)
 
 
 class FitError(Exception):
@@ -45,6 +53,27 @@ class FitError(Exception):
 
 
 def parser() -> argparse.ArgumentParser:
+    def number(kind, least, above=False):
+        """An argparse type: a `kind` number at least `least` (above it, if `above`), finite;
+        the bounds are the suite's (config/schema.yaml): what it rejects, fit rejects."""
+        bound = f"above {least}" if above else f"at least {least}"
+
+        def parse(text: str):
+            try:
+                value = kind(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{'an integer' if kind is int else 'a number'} {bound} is needed, "
+                    f"not {text!r}") from None
+            if value != value or value in (float("inf"), float("-inf")):
+                raise argparse.ArgumentTypeError(f"must be a finite number {bound}, not {text}")
+            if not (value > least if above else value >= least):
+                raise argparse.ArgumentTypeError(f"must be {bound}, not {text}")
+            return value
+
+        parse.__name__ = kind.__name__
+        return parse
+
     p = argparse.ArgumentParser(
         prog="membench fit",
         description="Does the model train on a GPU of each memory size, per method? Runs each "
@@ -58,16 +87,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
                    help="methods to answer for (stacks with '+', variants with '@'); default: "
                         "every method that runs on fake tensors")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step (default 8)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES,
-                   help="parameter dtype (default bfloat16)")
-    p.add_argument("--memory-gb", type=float, nargs="+", default=[16, 24, 40, 80], metavar="GB",
-                   help="GPU memory sizes in GiB (default 16 24 40 80)")
-    p.add_argument("--max-batch", type=int, default=4096,
-                   help="the largest batch the search tries (default 4096)")
-    p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
-    p.add_argument("--seed", type=int, default=0)
+    d, least = FIT_DEFAULTS, {k: PROPERTIES[k]["minimum"] for k in ("batch_size", "seq_len", "seed")}
+    p.add_argument("--batch-size", type=number(int, least["batch_size"]), default=d["batch_size"],
+                   help="sequences per optimizer step (default %(default)s)")
+    p.add_argument("--seq-len", type=number(int, least["seq_len"]), default=d["seq_len"],
+                   help="tokens per sequence (default %(default)s)")
+    p.add_argument("--dtype", default=d["dtype"], choices=DTYPE_NAMES,
+                   help="parameter dtype (default %(default)s)")
+    p.add_argument("--memory-gb", type=number(float, 0, above=True), nargs="+",
+                   default=d["memory_gb"], metavar="GB",
+                   help="GPU memory sizes in GiB (default " + " ".join(map(str, d["memory_gb"])) + ")")
+    p.add_argument("--max-batch", type=number(int, 1), default=d["max_batch"],
+                   help="the largest batch the search tries (default %(default)s)")
+    p.add_argument("--attn-implementation", default=d["attn_implementation"],
+                   choices=PROPERTIES["attn_implementation"]["enum"])
+    p.add_argument("--seed", type=number(int, least["seed"]), default=d["seed"])
     p.add_argument("--json", metavar="FILE", default=None, help="also write the rows as JSON")
     return p
 
@@ -115,7 +149,8 @@ def _line(e: BaseException) -> str:
 
 
 def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq_len: int,
-           dtype: str, max_batch: int, seed: int = 0, attn_implementation: str = "sdpa",
+           dtype: str, max_batch: int, seed: int = FIT_DEFAULTS["seed"],
+           attn_implementation: str = FIT_DEFAULTS["attn_implementation"],
            label: str | None = None) -> list[dict]:
     """One row per memory size for `method`: the simulated step at `batch_size` (its peak by
     category, the GPU need), whether it fits, and the largest batch that fits."""
@@ -213,8 +248,9 @@ def smallest_gpu(trace: list, memory: dict, resolution: int = 2**26) -> int:
 
 
 def run(model: str, methods: list[str], memory_gb: list[float], batch_size: int, seq_len: int,
-        dtype: str = "bfloat16", max_batch: int = 4096, seed: int = 0,
-        attn_implementation: str = "sdpa") -> list[dict]:
+        dtype: str = FIT_DEFAULTS["dtype"], max_batch: int = FIT_DEFAULTS["max_batch"],
+        seed: int = FIT_DEFAULTS["seed"],
+        attn_implementation: str = FIT_DEFAULTS["attn_implementation"]) -> list[dict]:
     """Every method's rows (see `answer`); FitError when the model cannot be built."""
     check_model(model, seq_len, attn_implementation)
     rows = []
@@ -267,16 +303,15 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
-    if args.batch_size < 1 or args.seq_len < 1 or args.max_batch < args.batch_size:
-        print("membench fit: error: --batch-size and --seq-len must be positive and "
-              "--max-batch at least --batch-size", file=sys.stderr)
-        return 2
-    from bench.method import available
+    p = parser()
+    args = p.parse_args(argv)  # each number's bounds: an argparse error naming the flag, exit 2
+    if args.max_batch < args.batch_size:
+        p.error(f"argument --max-batch: must be at least --batch-size ({args.batch_size}), "
+                f"not {args.max_batch}")
+    from bench.method import available, member_names
 
     methods = args.methods or simulable_methods()
-    unknown = [m for m in methods for part in m.split("+")
-               if part.partition("@")[0] not in available()]
+    unknown = [m for m in methods for name in member_names(m) if name not in available()]
     if unknown:
         print(f"membench fit: error: unknown method {unknown[0]!r}; available: "
               f"{', '.join(available())}", file=sys.stderr)

@@ -75,19 +75,31 @@ WORKFLOW_PARTS = ("Snakefile", "pyproject.toml", "bench", "methods", "config", "
                   "paper/claims.yaml")
 
 
-@pytest.fixture
-def workflow_copy(tmp_path):
-    """A fresh copy of the workflow (no results yet) in a temporary folder."""
+def copy_workflow(dest):
     import shutil
 
     for part in WORKFLOW_PARTS:
         src = REPO / part
         if src.is_dir():
-            shutil.copytree(src, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(src, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
         else:
-            (tmp_path / part).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(src, tmp_path / part)
-    return tmp_path
+            (dest / part).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, dest / part)
+    return dest
+
+
+@pytest.fixture
+def workflow_copy(tmp_path):
+    """A fresh copy of the workflow (no results yet) in a temporary folder."""
+    return copy_workflow(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """A copy of the workflow after one uninterrupted run of the smoke suite (shared: the
+    end-to-end test reads it, the resume test compares with it); the run's output too."""
+    root = copy_workflow(tmp_path_factory.mktemp("smoke"))
+    return root, snakemake(root, "--cores", "2", "--config", "suite=smoke")
 
 
 def snakemake(workdir, *args, timeout=600):

@@ -1,6 +1,10 @@
 """Result files -> tidy tables: `summary.csv` (one row per job; a capacity or
 model_capacity job gives one row per memory size) and `curves.csv` (one row per convergence step). The README
-documents every column."""
+documents every column.
+
+A file that cannot be read as a result (truncated, not JSON, another `schema_version`, a
+field missing: `bench.recovery.read_result`) is left out with a line on stderr naming it
+and why; the tables and figures are made from the rest."""
 from __future__ import annotations
 
 import argparse
@@ -12,8 +16,10 @@ from pathlib import Path
 import pandas as pd
 
 from bench import estimate
+from bench.errors import first_line
 from bench.measure import records as results
 from bench.models import family
+from bench.recovery import UnreadableResult, read_result
 
 SUMMARY_COLUMNS = [
     "kind", "method", "model", "family", "n_params", "batch_size", "micro_batches", "seq_len",
@@ -105,12 +111,25 @@ def curve_rows(record: dict) -> list[dict]:
             for point in record.get("curve", [])]
 
 
-def aggregate(paths: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+def aggregate(paths: list[str], left_out: list | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The two tables from the result files `paths`. A file that cannot be read is left
+    out, named on stderr with why, and appended to `left_out` as (path, why)."""
     summary, curves = [], []
-    for path in sorted(paths):
-        record = results.read(path)
-        summary.extend(summary_rows(record, str(path)))
-        curves.extend(curve_rows(record))
+    for path in sorted(map(str, paths)):
+        try:
+            record = read_result(path)
+            rows, points = summary_rows(record, path), curve_rows(record)
+        except UnreadableResult as e:
+            why = e.why
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            why = f"not a whole result ({type(e).__name__}: {first_line(e)})"
+        else:
+            summary.extend(rows)
+            curves.extend(points)
+            continue
+        print(f"aggregate: left out {path}: {why}", file=sys.stderr)
+        if left_out is not None:
+            left_out.append((path, why))
     return (pd.DataFrame(summary, columns=SUMMARY_COLUMNS),
             pd.DataFrame(curves, columns=CURVE_COLUMNS))
 
@@ -120,19 +139,19 @@ def write_csv_atomic(frame: pd.DataFrame, path: str | Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.report.aggregate",
+    p = argparse.ArgumentParser(prog="membench aggregate",
                                 description="Collect result JSON files into summary.csv and curves.csv.")
     p.add_argument("results", nargs="*", help="result JSON files")
     p.add_argument("--summary", required=True)
     p.add_argument("--curves", required=True)
     args = p.parse_args(argv)
-    summary, curves = aggregate(args.results)
+    left_out = []
+    summary, curves = aggregate(args.results, left_out)
     write_csv_atomic(summary, args.summary)
     write_csv_atomic(curves, args.curves)
     print(f"aggregate: {len(summary)} jobs ({(summary.status != 'ok').sum()} not ok), "
-          f"{len(curves)} curve points", file=sys.stderr)
+          f"{len(curves)} curve points"
+          + (f"; {len(left_out)} unreadable files left out (named above)" if left_out else ""),
+          file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

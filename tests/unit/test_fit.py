@@ -167,3 +167,35 @@ def test_help_works_and_the_one_job_cli_is_unchanged():
                                 "--batch-size", "4", "--seq-len", "32", "--out", "x.json"])
     assert args.kind == "memory" and args.model == "gpt2-tiny"
 
+
+
+@pytest.mark.parametrize("args, flag, why", [
+    (["--memory-gb", "-3"], "--memory-gb", "must be above 0, not -3"),
+    (["--memory-gb", "24", "0"], "--memory-gb", "must be above 0, not 0"),
+    (["--memory-gb", "nan"], "--memory-gb", "must be a finite number above 0"),
+    (["--memory-gb", "inf"], "--memory-gb", "must be a finite number above 0"),
+    (["--memory-gb", "lots"], "--memory-gb", "a number above 0 is needed, not 'lots'"),
+    (["--batch-size", "0"], "--batch-size", "must be at least 1, not 0"),
+    (["--batch-size", "-4"], "--batch-size", "must be at least 1, not -4"),
+    (["--batch-size", "2.5"], "--batch-size", "an integer at least 1 is needed"),
+    (["--seq-len", "1"], "--seq-len", "must be at least 2, not 1"),
+    (["--max-batch", "0"], "--max-batch", "must be at least 1, not 0"),
+    (["--max-batch", "4", "--batch-size", "8"], "--max-batch", "at least --batch-size (8), not 4"),
+    (["--seed", "-1"], "--seed", "must be at least 0, not -1"),
+])
+def test_a_number_the_suite_rejects_is_an_argparse_error_naming_the_flag(capsys, args, flag, why):
+    """What config/schema.yaml rejects for a job (batch_size >= 1, seq_len >= 2, seed >= 0,
+    memory sizes above 0, max_batch >= 1), fit rejects before building anything."""
+    with pytest.raises(SystemExit) as exit_:
+        fit.main(["--model", "gpt2-tiny", "--methods", "adamw", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    [line] = [x for x in err.splitlines() if x.startswith("membench fit: error:")]
+    assert f"argument {flag}: " in line and why in line, line
+
+
+def test_the_bounds_themselves_are_accepted():
+    args = fit.parser().parse_args(["--model", "m", "--batch-size", "1", "--seq-len", "2",
+                                    "--max-batch", "1", "--seed", "0", "--memory-gb", "0.001", "80"])
+    assert (args.batch_size, args.seq_len, args.max_batch, args.seed) == (1, 2, 1, 0)
+    assert args.memory_gb == [0.001, 80.0]

@@ -1,0 +1,105 @@
+"""A run killed with SIGKILL finishes when the same command is run again: the dead run's
+lock is removed (bench.recovery), the jobs it left unfinished run again
+(`rerun-incomplete`, profiles/default), and every result equals an uninterrupted run's.
+Result files that cannot be read are left out of the tables, or set aside and rerun."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from bench.report.figures import FIGURES
+from conftest import snakemake
+
+SMOKE = ("--cores", "2", "--config", "suite=smoke")
+PLANNED = 12  # the smoke suite's results: 2 methods x (memory, throughput, 2 convergence seeds,
+#               capacity, model_capacity)
+
+
+def results(root) -> dict:
+    """Each result under results/runs/smoke, without what differs between two runs of the
+    same job: wall times and timings (a convergence curve's wall_s, a throughput job's
+    tokens/s), and provenance (date, host, commit)."""
+    out = {}
+    for path in sorted((root / "results" / "runs" / "smoke").rglob("*.json")):
+        record = json.loads(path.read_text())
+        record = {k: v for k, v in record.items() if k not in ("provenance", "wall_time_s", "throughput")}
+        if "curve" in record:
+            record["curve"] = [{k: v for k, v in p.items() if k != "wall_s"} for p in record["curve"]]
+        out[str(path.relative_to(root))] = record
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_run_finishes_with_the_same_command(workflow_copy, smoke_run):
+    uninterrupted, first = smoke_run  # an uninterrupted run of the same command
+    assert first.returncode == 0, first.stderr[-3000:]
+    runs = workflow_copy / "results" / "runs"
+    state = workflow_copy / ".snakemake"
+
+    # the same command, killed (all of its process group: Snakemake and its jobs, as a
+    # closed terminal or an out-of-memory killer would) once half the results are written
+    # and the next groups are running (their outputs marked incomplete)
+    run = subprocess.Popen([sys.executable, "-m", "snakemake", *SMOKE], cwd=workflow_copy,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    deadline = time.monotonic() + 300
+    while run.poll() is None and time.monotonic() < deadline and not (
+            len(list(runs.rglob("*.json"))) >= PLANNED // 2
+            and any((state / "incomplete").glob("*"))):
+        time.sleep(0.05)
+    assert run.poll() is None, f"the run ended (exit {run.returncode}) before it could be killed"
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    before = {p: p.read_bytes() for p in runs.rglob("*.json")}
+    assert PLANNED // 2 <= len(before) < PLANNED, len(before)
+    assert list((state / "locks").glob("*.lock")), "the killed run left no lock"
+    assert list((state / "incomplete").glob("*")), "the killed run left no incomplete job"
+
+    # files a reader cannot use, beside the suite's: left out of the tables, named in the log
+    foreign = runs / "elsewhere" / "memory" / "gpt2-tiny" / "adamw"
+    foreign.mkdir(parents=True)
+    (foreign / "truncated.json").write_text('{"schema_version": 1, "job": {"kind": "mem')
+    (foreign / "notes.json").write_text(json.dumps({"title": "my notes"}))
+
+    again = snakemake(workflow_copy, *SMOKE)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "membench: removed the lock left by a run that died" in again.stderr
+    assert not list((state / "locks").glob("*.lock"))
+    resumed = results(workflow_copy)
+    assert len(resumed) == PLANNED and all(r["status"] == "ok" for r in resumed.values())
+    # what the killed run had finished is kept as it was; the rest was run again: exactly
+    # what an uninterrupted run of those jobs gives
+    kept = {str(p.relative_to(workflow_copy)) for p, data in before.items()
+            if p.exists() and p.read_bytes() == data}
+    rerun = sorted(set(resumed) - kept)
+    assert rerun and all(not path.startswith("results/runs/elsewhere") for path in kept)
+    expected = results(uninterrupted)
+    for path in rerun:
+        assert resumed[path] == expected[path], path  # status, memory, capacity, losses, cost
+
+    log = (workflow_copy / "results" / "logs" / "aggregate.log").read_text()
+    for name in ("truncated", "notes"):
+        assert f"aggregate: left out results/runs/elsewhere/memory/gpt2-tiny/adamw/{name}.json" in log
+    summary = pd.read_csv(workflow_copy / "results" / "summary.csv")
+    assert sorted(set(summary.result_file)) == sorted(resumed)  # the foreign files left out
+    for name in FIGURES:
+        assert (workflow_copy / "results" / "figures" / f"{name}.png").stat().st_size > 1000
+    assert (workflow_copy / "paper" / "results.md").exists()
+
+
+def test_a_planned_result_that_cannot_be_read_is_set_aside_and_run_again(workflow_copy):
+    planned = "results/runs/smoke/memory/gpt2-tiny/adamw/markov-bs4-seq32-seed0.json"
+    (workflow_copy / planned).parent.mkdir(parents=True)
+    (workflow_copy / planned).write_text('{"schema_version": 1, "job": {"ki')  # truncated
+    out = snakemake(workflow_copy, "-n", *SMOKE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    aside = workflow_copy / "results" / "unreadable" / planned.removeprefix("results/")
+    assert aside.read_text() == '{"schema_version": 1, "job": {"ki'  # kept, not deleted
+    assert not (workflow_copy / planned).exists()
+    assert f"membench: {planned} cannot be read (not whole JSON" in out.stderr
+    assert planned in out.stdout  # its group is planned again
