@@ -28,7 +28,7 @@ def measure(job: Job, method: Method) -> dict:
         return _throughput(job, method)
     fake = step.fake_mode() if job.simulate else None
     model, stream = step.setup(job, method, fake)
-    out = {"n_params": models.n_params(model)}
+    out = {"n_params": models.n_params(model), "trainable_params": trainable_params(model)}
     if job.kind == "memory":
         out.update(_memory(job, method, model, stream, fake))
     else:
@@ -163,13 +163,13 @@ def throughput_panel(entries: list[tuple[Job, Method]]) -> list[dict | Exception
         if isinstance(side, Exception) or side.error is not None:
             out.append(side if isinstance(side, Exception) else side.error)
             continue
-        out.append({"n_params": n,
+        out.append({"n_params": n[0], "trainable_params": n[1],
                     "throughput": {**timing.summary(side, base, j.batch_size * j.seq_len, j.seed),
                                    "parked": park, "panel_size": len(entries)}})
     return out
 
 
-def _side(job: Job, method: Method, name: str, cuda: bool) -> tuple[timing.Side, int]:
+def _side(job: Job, method: Method, name: str, cuda: bool) -> tuple[timing.Side, tuple[int, int]]:
     """A method's model, optimizer and batch, warmed up, as one side of a timed pair."""
     model, stream = step.setup(job, method)
     optimizer = method.make_optimizer(model)
@@ -185,7 +185,13 @@ def _side(job: Job, method: Method, name: str, cuda: bool) -> tuple[timing.Side,
     side = timing.Side(name, one_step, tensors if cuda else None)
     for i in range(job.warmup_steps):
         checked(side.step(), i)
-    return side, models.n_params(model)
+    return side, (models.n_params(model), trainable_params(model))
+
+
+def trainable_params(model) -> int:
+    """Parameters the step trains (requires_grad after the method's transform_model): all
+    of them unless the method freezes some (LoRA trains its adapters only)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def _convergence(job: Job, method: Method, model, stream) -> dict:

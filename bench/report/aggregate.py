@@ -22,7 +22,7 @@ from bench.models import family
 from bench.recovery import UnreadableResult, read_result
 
 SUMMARY_COLUMNS = [
-    "kind", "method", "model", "family", "n_params", "batch_size", "micro_batches", "seq_len",
+    "kind", "method", "model", "family", "n_params", "trainable_params", "batch_size", "micro_batches", "seq_len",
     "dtype", "device", "device_name", "cpu_id", "memory_tier", "capacity_gb", "peak_bytes",
     "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "other_bytes",
     "first_step_peak_bytes", "reserved_peak_bytes", "alloc_retries", "tokens_per_s", "baseline",
@@ -44,6 +44,7 @@ def summary_row(record: dict, path: str) -> dict:
     return {
         "kind": job["kind"], "method": job["method"], "model": job["model"],
         "family": family(job["model"]), "n_params": record.get("n_params"),
+        "trainable_params": record.get("trainable_params"),
         "batch_size": job["batch_size"], "micro_batches": hp.get("micro_batches"),
         "seq_len": job["seq_len"], "dtype": job["dtype"], "device": job["device"],
         "device_name": prov.get("device_name"), "cpu_id": prov.get("cpu_id"),
