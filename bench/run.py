@@ -143,18 +143,15 @@ def work(entries: list[dict], progress_fd: int | None = None) -> int:
     done = 0
     for batch in panels(jobs):
         say("start", batch)
-        if len(batch) > 1:  # throughput jobs timed together beside one baseline
+        if len(batch) == 1:
+            print(f"membench many: job {done + 1}/{len(jobs)}: {_describe(jobs[batch[0]])}",
+                  file=sys.stderr, flush=True)
+        else:  # throughput jobs timed together beside one baseline
             print(f"membench many: jobs {done + 1}-{done + len(batch)}/{len(jobs)}: "
                   f"{len(batch)} throughput jobs on {jobs[batch[0]].model}, one panel",
                   file=sys.stderr, flush=True)
-        else:
-            print(f"membench many: job {done + 1}/{len(jobs)}", file=sys.stderr, flush=True)
         try:
-            if len(batch) > 1:
-                results = run_panel([jobs[i] for i in batch])
-            else:
-                print(f"membench: {_describe(jobs[batch[0]])}", file=sys.stderr, flush=True)
-                results = [run(jobs[batch[0]])]
+            results = [run(jobs[batch[0]])] if len(batch) == 1 else run_panel([jobs[i] for i in batch])
         except TimedOut as e:  # the limit fell after the job's own handler was left
             results = [records.failure(jobs[i], "timeout", str(e)) for i in batch]
         for i, record in zip(batch, results):

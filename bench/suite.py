@@ -47,12 +47,12 @@ def validate_schema(config: dict) -> None:
 
 
 def fill_defaults(config: dict) -> dict:
-    """The config with every default of config/schema.yaml's `$defs/job` filled in (a copy)."""
+    """The config with the defaults `plan` reads filled in (a copy): the grid's lists (one
+    seed, one task), a capacity search's `max_batch`, a throughput baseline. Every other job
+    field a suite leaves out takes the `Job`'s own default (config/schema.yaml `$defs/job`)."""
     config = copy.deepcopy(config)
     config.setdefault("method_params", {})
     for suite in config["suites"].values():
-        for key in ("dtype", "attn_implementation"):
-            suite.setdefault(key, JOB_DEFAULTS[key])
         suite.setdefault("method_params", {})
         for kind in KINDS:
             section = suite.get(kind)
@@ -60,13 +60,10 @@ def fill_defaults(config: dict) -> dict:
                 continue
             section.setdefault("seeds", [JOB_DEFAULTS["seed"]])
             section.setdefault("tasks", [JOB_DEFAULTS["task"]])
-            section.setdefault("simulate", JOB_DEFAULTS["simulate"])
-            section.setdefault("capacity_gb", JOB_DEFAULTS["capacity_gb"])
             if kind == "capacity":
                 section.setdefault("max_batch", _SUITE["properties"]["capacity"]["properties"]
                                    ["max_batch"]["default"])
             if kind == "throughput":
-                section.setdefault("rounds", JOB_DEFAULTS["rounds"])
                 section.setdefault("baseline", JOB_DEFAULTS["baseline"])
     return config
 
