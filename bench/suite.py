@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from bench.job import JOB_DEFAULTS, KINDS, PROPERTIES, SCHEMA, Job, cell_suffix
+from bench.measure.records import weights_path
 from bench.method import member_names
 from bench.models import MODELS, is_known, max_positions
 
@@ -54,8 +55,8 @@ def fill_defaults(config: dict) -> dict:
     config.setdefault("method_params", {})
     for suite in config["suites"].values():
         suite.setdefault("method_params", {})
-        for kind in KINDS:
-            section = suite.get(kind)
+        for key, kind in SECTIONS.items():
+            section = suite.get(key)
             if section is None:
                 continue
             section.setdefault("seeds", [JOB_DEFAULTS["seed"]])
@@ -89,21 +90,27 @@ def _load_method(name: str, overrides: dict, where: str):
 
 
 def resolve_methods(entries: list[str], where: str) -> list[str]:
-    """The method names an entry list stands for (`all` = every module), each loaded once
-    to check it exists, imports, and (for a stack) can be built."""
+    """The method names an entry list stands for (`all` = every module; `ours` = every
+    module but the peers, the published packages run to check one of ours), each loaded
+    once to check it exists, imports, and (for a stack) can be built."""
     known = available_methods()
     out: list[str] = []
     for entry in entries:
-        names = known if entry == "all" else [entry]
+        names = known if entry in SELECTORS else [entry]
         for name in names:
             for base in member_names(name):
                 if base not in known:
                     raise ConfigError(f"config key {where}: unknown method {base!r}; "
-                                      f"available: all, {', '.join(known)}")
+                                      f"available: {', '.join(SELECTORS)}, {', '.join(known)}")
             if name not in out:
-                _load_method(name, {}, f"{where}/{name}" if entry != "all" or "@" in name else where)
+                method = _load_method(name, {}, f"{where}/{name}" if entry not in SELECTORS or "@" in name else where)
+                if entry == "ours" and method.peer_of:
+                    continue
                 out.append(name)
     return out
+
+
+SELECTORS = ("all", "ours")  # method-list entries that stand for several modules
 
 
 def _check_models(models: list[str], where: str) -> None:
@@ -158,11 +165,11 @@ def plan(config: dict) -> dict[str, Job]:
     _check_method_params(config["method_params"], "method_params")
     _check_method_params(suite["method_params"], f"suites/{name}/method_params")
     jobs: dict[str, Job] = {}
-    for kind in KINDS:
-        section = suite.get(kind)
+    for key, kind in SECTIONS.items():
+        section = suite.get(key)
         if not section:
             continue
-        where = f"suites/{name}/{kind}"
+        where = f"suites/{name}/{key}"
         entries = section.get("methods", suite["methods"])
         kind_methods = (resolve_methods(section["methods"], f"{where}/methods")
                         if "methods" in section else methods)
@@ -182,6 +189,10 @@ def plan(config: dict) -> dict[str, Job]:
         batches = [section["max_batch"]] if kind == "capacity" else section["batch_sizes"]
         for task in section["tasks"]:
             for model in section["models"]:
+                if "pretrain" in section:  # fine-tuning: every job starts from its weights
+                    path, pretrain = pretrain_job(config, name, section["pretrain"], model, f"{where}/pretrain")
+                    jobs[path] = pretrain
+                    settings["init"] = weights_path(path)
                 for method in kind_methods:
                     for batch in batches:
                         for seed in section["seeds"]:
@@ -193,6 +204,25 @@ def plan(config: dict) -> dict[str, Job]:
                                 job.baseline = baseline_of(section, method)
                             jobs[result_path(name, job)] = job
     return jobs
+
+
+# A suite's sections and the kind of job each plans: one per kind, and `finetune`, whose
+# convergence jobs start from a model pre-trained by a job of its own (`pretrain_job`).
+SECTIONS = {**{kind: kind for kind in KINDS}, "finetune": "convergence"}
+
+
+def pretrain_job(config: dict, name: str, pretrain: dict, model: str, where: str) -> tuple[str, Job]:
+    """The result path and job of the run that pre-trains `model` for a `finetune` section:
+    a convergence job of `pretrain`'s method, task, steps, batch and length (seed 0 unless
+    set) under the suite's settings, that saves the model's weights beside its result."""
+    suite = config["suites"][name]
+    method = pretrain.get("method", "adamw")
+    resolve_methods([method], f"{where}/method")
+    job = Job(**{**job_settings(suite, {}), "kind": "convergence", "method": method, "model": model,
+                 "task": pretrain["task"], "steps": pretrain["steps"], "batch_size": pretrain["batch_size"],
+                 "seq_len": pretrain["seq_len"], "seed": pretrain.get("seed", JOB_DEFAULTS["seed"]),
+                 "save_weights": True, "hparams": method_params(config, suite, method)})
+    return result_path(name, job), job
 
 
 # Section keys named otherwise than the job field they set (the grid's lists, `models`,
@@ -245,7 +275,9 @@ def groups(jobs: dict[str, Job], suite: str) -> dict[str, list[str]]:
     keyed: dict[str, list[str]] = {}
     for path, job in jobs.items():
         key, _ = GROUP_BY[job.kind]
-        keyed.setdefault(f"{suite}/" + "-".join(getattr(job, k) for k in key), []).append(path)
+        # a pre-training run and the fine-tuning that waits for its weights never share one
+        role = ["pretrain"] if job.save_weights else ["finetune"] if job.init else []
+        keyed.setdefault(f"{suite}/" + "-".join([getattr(job, k) for k in key] + role), []).append(path)
     out: dict[str, list[str]] = {}
     for gid, paths in keyed.items():
         size = GROUP_BY[jobs[paths[0]].kind][1]

@@ -209,5 +209,8 @@ def _convergence(job: Job, method: Method, model, stream) -> dict:
             print(f"[{job.method} {job.model} seed {job.seed}] step {i + 1}/{job.steps} "
                   f"loss {loss:.4f}", file=sys.stderr, flush=True)
     tail = curve[-max(1, job.steps // 10):]
-    return {"curve": curve, "final_loss": sum(c["loss"] for c in tail) / len(tail),
-            "loss_floor": stream.task.loss_floor}
+    out = {"curve": curve, "final_loss": sum(c["loss"] for c in tail) / len(tail),
+           "loss_floor": stream.task.loss_floor}
+    if job.save_weights:  # written beside the result by whoever writes it (bench.run.write_one)
+        out["weights"] = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return out

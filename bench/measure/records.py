@@ -1,7 +1,8 @@
 """Result files: provenance and atomic writes.
 
 One job writes one JSON file. It is written to a temporary file in the same folder and
-renamed into place, so a reader (or Snakemake) never sees half a result.
+renamed into place, so a reader (or Snakemake) never sees half a result. A pre-training
+run (`save_weights`) also writes its model's weights beside it (`weights_path`), first.
 """
 from __future__ import annotations
 
@@ -126,8 +127,21 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 def write_atomic(path: str | Path, data: dict) -> None:
-    """One result as JSON (NaN and infinity refused), written atomically."""
+    """One result as JSON (NaN and infinity refused), written atomically; its `weights`
+    (a state dict, from a job that saves them) go to `weights_path(path)` before it."""
+    if "weights" in data:
+        data = dict(data)
+        import torch
+
+        with atomic_path(weights_path(path)) as tmp:
+            torch.save(data.pop("weights"), tmp)
     write_text_atomic(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
+
+
+def weights_path(result: str | Path) -> str:
+    """Where a job that saves weights (`save_weights`) writes them: its result's path,
+    ending .pt; the result is their provenance."""
+    return str(Path(result).with_suffix(".pt"))
 
 
 def read(path: str | Path) -> dict:

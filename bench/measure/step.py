@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 
 import torch
 
@@ -135,12 +136,26 @@ def setup(job: Job, method: Method, fake=None):
     # Built directly in its dtype and on its device: no copy, and it works on fake tensors.
     with fake or contextlib.nullcontext(), torch.device(job.device), default_dtype(DTYPES[job.dtype]):
         model = models.build(job.model, job.attn_implementation, job.dropout)
+    if job.init and fake is None:  # fake tensors hold no values: nothing to load
+        load_weights(model, job.init)
     model = method.transform_model(model)
     model.train()
     task = data.make_task(job.task)
     objective = models.OBJECTIVE[models.family(job.model)]
     stream = data.Stream(task, objective, models.vocab_size(job.model), job.batch_size, job.seq_len, job.seed)
     return model, stream
+
+
+def load_weights(model: torch.nn.Module, path: str) -> None:
+    """Start `model` from the weights a pre-training run saved (`save_weights`), cast to
+    the model's dtype; a missing file or another model's weights are a clear error."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"init {path}: no such file (the pre-training run that writes it has not run)")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"init {path} holds another model's weights: {first_line(e)}") from None
 
 
 def next_batch(stream: data.Stream, device: str) -> dict:

@@ -30,10 +30,10 @@ SUMMARY_COLUMNS = [
     "step_time_median_s", "step_time_q1_s", "step_time_q3_s", "largest_batch", "at_max_batch",
     "largest_model", "at_ladder_top", "flops", "bytes_moved", "ops", "flops_forward",
     "flops_backward", "flops_optimizer", "est_h100_step_time_s", "est_h100_tokens_per_s",
-    "est_h100_calibrated", "task", "steps", "final_loss", "loss_floor", "status",
+    "est_h100_calibrated", "phase", "init", "task", "steps", "final_loss", "loss_floor", "status",
     "message", "seed", "commit", "torch_version", "date", "wall_time_s", "hparams", "result_file",
 ]
-CURVE_COLUMNS = ["method", "model", "task", "seed", "batch_size", "seq_len", "step", "wall_s",
+CURVE_COLUMNS = ["method", "model", "phase", "task", "seed", "batch_size", "seq_len", "step", "wall_s",
                  "loss", "loss_floor", "status"]
 
 
@@ -59,6 +59,7 @@ def summary_row(record: dict, path: str) -> dict:
                                    "throughput_ratio_hi", "step_time_median_s",
                                    "step_time_q1_s", "step_time_q3_s")},
         **cost_columns(record.get("cost"), job["batch_size"] * job["seq_len"]),
+        "phase": phase(job), "init": job.get("init"),
         "task": job["task"], "steps": job["steps"] if job["kind"] in ("throughput", "convergence") else None,
         "final_loss": record.get("final_loss"), "loss_floor": record.get("loss_floor"),
         "status": record["status"], "message": record.get("message"), "seed": job["seed"],
@@ -104,9 +105,15 @@ def summary_rows(record: dict, path: str) -> list[dict]:
             for size in found["sizes"]] or [row]
 
 
+def phase(job: dict) -> str:
+    """How a job's model started: `scratch` (drawn from the seed), `pretrain` (from scratch,
+    its weights saved for fine-tuning) or `finetune` (from a pre-training run's weights)."""
+    return "pretrain" if job.get("save_weights") else "finetune" if job.get("init") else "scratch"
+
+
 def curve_rows(record: dict) -> list[dict]:
     job = record["job"]
-    return [{"method": job["method"], "model": job["model"], "task": job["task"],
+    return [{"method": job["method"], "model": job["model"], "phase": phase(job), "task": job["task"],
              "seed": job["seed"], "batch_size": job["batch_size"], "seq_len": job["seq_len"],
              **point, "loss_floor": record.get("loss_floor"), "status": record["status"]}
             for point in record.get("curve", [])]

@@ -35,7 +35,7 @@ from bench.report.tables import (BASELINE, CATEGORIES,  # noqa: E402
                           CONVERGENCE_CELL, MEMORY_CELL, THROUGHPUT_CELL, capacity_table,
                           convergence_table, largest_model_table, memory_table, method_order,
                           model_order, overview_table, parameters_text, read_curves, read_summary,
-                          status_text, throughput_table)
+                          PHASES, status_text, task_label, throughput_table)
 from bench.report.style import (FAIL_COLOR, LINESTYLES, MARKERS, finish,  # noqa: E402
                                 method_colors, method_linestyles, nudge)
 
@@ -314,15 +314,16 @@ def figure_convergence(summary: pd.DataFrame, curves: pd.DataFrame) -> plt.Figur
     if not keys:
         return no_data_figure(title, "no convergence jobs in the summary or curves")
     models = model_order(summary, [k[1] for k in keys])
-    panels = sorted(keys, key=lambda k: (str(k[0]), models.index(k[1])))
+    phases = list(PHASES)
+    panels = sorted(keys, key=lambda k: (phases.index(k[2]) if k[2] in phases else 9, str(k[0]), models.index(k[1])))
     every = method_order(set(summary["method"]) | set(curves["method"]))
     colors, styles = method_colors(every), method_linestyles(every)
     all_methods = method_order(set(conv["method"]) | set(curves["method"]))
     fig, axes = _grid(len(panels), 2, 6.4, 4.6)
     windows, drawn = set(), set()
-    floor_drawn = False
-    for ax, (task, model) in zip(axes, panels):
-        cell = {"task": task, "model": model}
+    floor_drawn = start_drawn = False
+    for ax, (task, model, phase) in zip(axes, panels):
+        cell = {"task": task, "model": model, "phase": phase}
         part = curves[_key_match(curves, cell, CONVERGENCE_CELL)]
         jobs = conv[_key_match(conv, cell, CONVERGENCE_CELL)]
         means, tails = {}, []
@@ -358,6 +359,12 @@ def figure_convergence(summary: pd.DataFrame, curves: pd.DataFrame) -> plt.Figur
             bottom, top = ax.get_ylim()
             ax.set_ylim(min(bottom, floor - 0.09 * (top - floor)), top)
             floor_drawn = True
+        start = _start_loss(part) if phase == "finetune" else None
+        if start is not None:
+            ax.axhline(start, color="0.45", ls="-.", lw=1)
+            ax.annotate(f"pre-trained model = {start:.3f}", (0.0, start), xycoords=("axes fraction", "data"),
+                        xytext=(4, 3), textcoords="offset points", ha="left", va="bottom", fontsize=8.5)
+            start_drawn = True
         notes = _failure_lines(jobs, has_partial=not partial.empty)
         same = _identical_groups(means)
         notes += [f"identical curves (lines overlap): {' = '.join(g)}" for g in same]
@@ -381,7 +388,7 @@ def figure_convergence(summary: pd.DataFrame, curves: pd.DataFrame) -> plt.Figur
         else:
             ax.set_xticks([])
             ax.set_yticks([])
-        ax.set_title(f"{task} · {model}", fontsize=10)
+        ax.set_title(f"{task_label(task, phase)} · {model}", fontsize=10)
     handles = [Line2D([], [], color=colors[m], ls=styles[m], lw=1.8, label=m)
                for m in all_methods if m in drawn]
     if not curves[curves["status"] != "ok"].empty:
@@ -390,12 +397,27 @@ def figure_convergence(summary: pd.DataFrame, curves: pd.DataFrame) -> plt.Figur
     if floor_drawn:
         handles.append(Line2D([], [], color="black", ls="--", lw=1,
                               label="loss floor (entropy rate)"))
+    if start_drawn:
+        handles.append(Line2D([], [], color="0.45", ls="-.", lw=1,
+                              label=f"pre-trained model's loss (step 1 of {BASELINE})"))
     smooth = (f"curves smoothed with a rolling mean over {', '.join(map(str, sorted(windows)))}"
               " steps; " if windows - {1} else "")
     finish(fig, title, f"Line: mean over seeds; band: min-max over seeds; {smooth}inset: "
-           "second half of training, zoomed. No dashed line: no known floor for that task.",
+           "second half of training, zoomed. No dashed line: no known floor for that task. "
+           "Pre-training: the run fine-tuning starts from; fine-tuning: every method from its "
+           f"weights, the dash-dot line its loss before any update (mean of {BASELINE}'s first "
+           "step over seeds).",
            handles, ncol=min(len(handles), 5))
     return fig
+
+
+def _start_loss(part: pd.DataFrame) -> float | None:
+    """A fine-tuning panel's reference: the pre-trained model's loss before any update,
+    the mean over seeds of the baseline's first step (its loss is computed before it
+    updates; a method such as LoRA starts from the same function, QLoRA from a quantized
+    one, so theirs may differ)."""
+    first = part[(part["method"] == BASELINE) & (part["step"] == 1) & (part["status"] == "ok")]
+    return float(first["loss"].mean()) if len(first) else None
 
 
 def _zoom_inset(ax, means, tails, floor, colors, styles):
@@ -536,8 +558,8 @@ def _overview_loss_gap(ax, conv: pd.DataFrame, conv_ok: pd.DataFrame, colors) ->
         ax.set_xticks([])
         ax.set_yticks([])
     else:
-        rows = conv_ok.assign(label=conv_ok["method"] + "\n" + conv_ok["task"] + " · " +
-                              conv_ok["model"])
+        rows = conv_ok.assign(label=[f"{r.method}\n{task_label(r.task, r.phase)} · {r.model}"
+                                     for r in conv_ok.itertuples()])
         rows = rows.assign(_o=rows["method"].map(method_order(rows["method"]).index))
         rows = rows.sort_values(["_o", "task", "model"]).reset_index(drop=True)
         ys = np.arange(len(rows))
@@ -560,7 +582,7 @@ def _overview_loss_gap(ax, conv: pd.DataFrame, conv_ok: pd.DataFrame, colors) ->
     floors = []
     base = conv[conv["method"] == BASELINE] if len(conv) else conv
     for r in base.itertuples():
-        where = f"{r.task} · {r.model}"
+        where = f"{task_label(r.task, r.phase)} · {r.model}"
         if r.n_ok == 0:
             floors.append(f"{where}: {BASELINE} {r.status}")
         elif pd.notna(r.loss_floor):
@@ -571,7 +593,7 @@ def _overview_loss_gap(ax, conv: pd.DataFrame, conv_ok: pd.DataFrame, colors) ->
     failed = conv[(conv["n_ok"] == 0) & (conv["method"] != BASELINE)] if len(conv) else conv
     if len(failed):
         floors.append("no final loss: " + ", ".join(
-            f"{r.method} ({r.task}, {r.status})" for r in failed.itertuples()))
+            f"{r.method} ({task_label(r.task, r.phase)}, {r.status})" for r in failed.itertuples()))
     if floors:
         ax.annotate("\n".join(textwrap.fill(f, 70) for f in floors), (0.0, 0.0),
                     xycoords="axes fraction", xytext=(0, -52), textcoords="offset points",

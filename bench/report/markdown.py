@@ -22,7 +22,7 @@ from bench.measure.records import write_text_atomic
 from bench.report.tables import (BASELINE, CATEGORIES, MODEL_CAPACITY_CELL, capacity_table, claim_table,
                           convergence_table, largest_model_table, memory_table, method_order,
                           model_order, parameters_text, read_summary, simulation_accuracy_table,
-                          throughput_table)
+                          task_label, throughput_table)
 
 CAPTIONS = Path(__file__).resolve().parent / "captions"
 
@@ -166,7 +166,7 @@ CONVERGENCE_HEADER = ["task", "model", "method", "seeds ok", "status",
 
 
 def convergence_section(summary: pd.DataFrame) -> str:
-    table = _ordered(convergence_table(summary), summary, ["task", "model"])
+    table = _ordered(convergence_table(summary), summary, ["phase", "task", "model"])
     if table.empty:
         return "_No convergence jobs._"
     rows = []
@@ -176,7 +176,7 @@ def convergence_section(summary: pd.DataFrame) -> str:
             loss += f" ± {r['final_loss_std']:.4f}"
         floor = num(r["loss_floor"], ".4f") or "none known"
         gap = "baseline" if r["method"] == BASELINE else num(r["gap_vs_baseline"], "+.4f")
-        rows.append([r["task"], r["model"], r["method"], f"{r['n_ok']}/{r['n_jobs']}",
+        rows.append([task_label(r["task"], r["phase"]), r["model"], r["method"], f"{r['n_ok']}/{r['n_jobs']}",
                      r["status"], loss, floor, num(r["gap_to_floor"], "+.4f"), gap])
     return ("Final training loss in nats/token over the seeds that finished (± sample "
             "standard deviation over seeds). The loss floor is the task's entropy rate where "

@@ -18,10 +18,11 @@ BASELINE = "adamw"
 MIB = 2 ** 20
 MEMORY_CELL = ["model", "batch_size", "seq_len", "device"]
 THROUGHPUT_CELL = ["model", "batch_size", "seq_len", "device"]
-CONVERGENCE_CELL = ["task", "model"]
+CONVERGENCE_CELL = ["task", "model", "phase"]  # phase: scratch, pretrain, finetune (aggregate.phase)
 
 TEXT_COLUMNS = ["kind", "method", "model", "largest_model", "family", "dtype", "device", "device_name",
-                "cpu_id", "memory_tier", "task", "status", "message", "commit", "torch_version", "date"]
+                "cpu_id", "memory_tier", "phase", "init", "task", "status", "message", "commit", "torch_version",
+                "date"]
 
 
 # ----------------------------------------------------------------------------- data
@@ -34,9 +35,10 @@ def _tidy(frame: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
             frame[col] = frame[col].astype("object").where(frame[col].notna(), None)
         elif col != "hparams" and col != "result_file":
             frame[col] = pd.to_numeric(frame[col], errors="coerce")
-    for col in ("kind", "method", "model", "task", "device", "status"):
+    missing = {"status": "unknown", "phase": "scratch"}  # results from before fine-tuning: scratch
+    for col in ("kind", "method", "model", "task", "device", "status", "phase"):
         if col in frame:
-            frame[col] = frame[col].fillna("unknown" if col == "status" else "?").astype(str)
+            frame[col] = frame[col].fillna(missing.get(col, "?")).astype(str)
     return frame
 
 
@@ -50,6 +52,15 @@ def read_curves(path: str | Path | None) -> pd.DataFrame:
     if path is None or not Path(path).exists():
         return _tidy(pd.DataFrame(columns=CURVE_COLUMNS), CURVE_COLUMNS)
     return _tidy(pd.read_csv(path), CURVE_COLUMNS)
+
+
+PHASES = {"scratch": "", "pretrain": "pre-training", "finetune": "fine-tuning"}
+
+
+def task_label(task: str, phase: str) -> str:
+    """A convergence cell's task as the report and the figures name it: the task, and how
+    its model started unless from scratch ("markov_shift, fine-tuning")."""
+    return f"{task}, {PHASES[phase]}" if PHASES.get(phase) else task
 
 
 def method_order(methods) -> list[str]:
@@ -169,7 +180,7 @@ def throughput_table(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 def convergence_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """One row per (task, model, method): final loss mean and std over ok seeds, the loss
+    """One row per (task, model, phase, method): final loss mean and std over ok seeds, the loss
     floor (NaN: none known), the gap to it and to the baseline's mean final loss."""
     conv = summary[summary["kind"] == "convergence"]
     cols = CONVERGENCE_CELL + ["method", "batch_size", "seq_len", "steps", "status", "message",
@@ -317,9 +328,9 @@ def _ratio_range(pairs: pd.DataFrame) -> tuple[str, int]:
 
 def _gap_by_task(pairs: pd.DataFrame) -> tuple[str, int]:
     gaps = (pairs.assign(gap=pairs["m"] - pairs["v"])
-            .groupby(CONVERGENCE_CELL)["gap"].agg(["mean", "std", "count"]))
-    text = "; ".join(f"{task} {g['mean']:+.3f} ± {g['std']:.3f} (n={int(g['count'])})"
-                     for (task, _model), g in gaps.iterrows())
+            .groupby(CONVERGENCE_CELL, dropna=False)["gap"].agg(["mean", "std", "count"]))
+    text = "; ".join(f"{task_label(task, phase)} {g['mean']:+.3f} ± {g['std']:.3f} (n={int(g['count'])})"
+                     for (task, _model, phase), g in gaps.iterrows())
     return text, len(gaps)
 
 

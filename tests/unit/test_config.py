@@ -1,5 +1,6 @@
 """Config validation: bad input is rejected before any job, naming the key."""
 import copy
+import importlib
 
 import pytest
 import yaml
@@ -43,7 +44,7 @@ def mutate(fn):
 
 BAD = {
     "unknown method": (lambda c: c["suites"]["quick"].update(methods=["adamx"]),
-                       "suites/quick/methods: unknown method 'adamx'; available: all, adafactor, "),
+                       "suites/quick/methods: unknown method 'adamx'; available: all, ours, adafactor, "),
     "unknown method in a stack": (lambda c: c["suites"]["quick"].update(methods=["adamw+nope"]),
                                   "suites/quick/methods: unknown method 'nope'"),
     "unknown model": (lambda c: c["suites"]["quick"]["memory"].update(models=["gpt5"]),
@@ -82,6 +83,11 @@ BAD = {
     "more micro-batches than a method takes": (
         lambda c: c["suites"]["quick"].update(method_params={"galore_layerwise": {"micro_batches": 4}}),
         "galore_layerwise"),
+    "a fine-tuning section without its pre-training": (
+        lambda c: c["suites"]["quick"]["finetune"].pop("pretrain"), "suites/quick/finetune"),
+    "a pre-training run of an unknown method": (
+        lambda c: c["suites"]["quick"]["finetune"]["pretrain"].update(method="adamx"),
+        "suites/quick/finetune/pretrain/method: unknown method 'adamx'"),
     "unknown hyperparameter in a suite": (
         lambda c: c["suites"]["quick"].update(method_params={"adama": {"vnorm": "mean"}}),
         "suites/quick/method_params/adama: adama has no option 'vnorm'"),
@@ -191,3 +197,37 @@ def test_a_stack_member_outside_its_declared_values_is_rejected():
     with pytest.raises(ConfigError, match=r"checkpointing\+galore@rank=0: option 'rank' must be in "
                                           r"\[1, inf\), not 0"):
         plan.check(config)
+
+
+def test_a_finetune_section_pretrains_once_per_model_and_starts_every_job_from_its_weights():
+    config = mutate(lambda c: c["suites"]["quick"]["finetune"].update(models=["gpt2-tiny", "llama-tiny"]))
+    jobs = checked(config)
+    saving = {p: j for p, j in jobs.items() if j.save_weights}
+    assert sorted(j.model for j in saving.values()) == ["gpt2-tiny", "llama-tiny"]
+    section = config["suites"]["quick"]["finetune"]
+    for path, pre in saving.items():
+        assert path.endswith("-pretrain.json") and pre.kind == "convergence" and pre.init is None
+        assert (pre.task, pre.steps, pre.batch_size) == (section["pretrain"]["task"], section["pretrain"]["steps"],
+                                                         section["pretrain"]["batch_size"])
+        tuned = [j for j in jobs.values() if j.init == path.removesuffix(".json") + ".pt"]
+        assert {j.model for j in tuned} == {pre.model}
+        assert len(tuned) == len(section["methods"]) * len(section["seeds"])
+        assert all(j.task == "markov_shift" and not j.save_weights for j in tuned)
+    tuned = [p for p, j in jobs.items() if j.init]
+    assert all(p.endswith("-finetune.json") for p in tuned)
+    # a pre-training run never shares a process with the jobs that wait for its weights
+    for paths in plan.groups(jobs, "quick").values():
+        assert len({(jobs[p].save_weights, jobs[p].init is not None) for p in paths}) == 1
+    # the jobs of the other sections are as they were: no weights in, none out
+    assert sum(1 for j in jobs.values() if not j.init and not j.save_weights) == \
+        len(checked(mutate(lambda c: c["suites"]["quick"].pop("finetune"))))
+
+
+def test_ours_is_every_module_but_the_peers():
+    from methods import available
+
+    every = plan.resolve_methods(["all"], "x")
+    # a peer's module says so first (its docstring starts with "Peer:"), independently of peer_of
+    peers = {m for m in available() if (importlib.import_module(f"methods.{m}").__doc__ or "").startswith("Peer:")}
+    assert {"galore_torch", "lora_peft"} <= peers
+    assert plan.resolve_methods(["ours"], "x") == [m for m in every if m not in peers]

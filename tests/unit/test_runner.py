@@ -154,3 +154,45 @@ def test_cli_rejects_bad_arguments_before_any_work(tmp_path, change, says):
     out = run_cli(*[x for kv in args.items() for x in kv], *extra)
     assert out.returncode == 2 and says in out.stderr, out.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_pretraining_run_saves_its_weights_and_a_finetuning_job_starts_from_them(tiny_job, tmp_path):
+    from bench import models
+    from bench.measure import records, step
+    from bench.method import lm_loss
+    from bench.run import run_one
+
+    pre = tiny_job(kind="convergence", steps=3, save_weights=True, log_every=0)
+    out = tmp_path / "pre.json"
+    run_one(pre, str(out))
+    weights = records.weights_path(out)
+    assert records.read(out)["status"] == "ok"
+    saved = torch.load(weights, weights_only=True)
+    # what the fine-tuning job's first step sees: the saved weights, the job's own batch
+    model = models.build(pre.model, pre.attn_implementation, dropout=0.0)
+    model.load_state_dict(saved)
+    _, stream = step.setup(tiny_job(kind="convergence", task="markov_shift", seed=5), load_method("adamw"))
+    with torch.no_grad():
+        expected = float(lm_loss(model, stream.next()))
+    record = runner.run(tiny_job(kind="convergence", steps=1, task="markov_shift", seed=5, init=weights,
+                                 dropout=0.0, log_every=0))
+    assert record["status"] == "ok", record["message"]
+    assert record["curve"][0]["loss"] == pytest.approx(expected, rel=1e-6)
+    scratch = runner.run(tiny_job(kind="convergence", steps=1, task="markov_shift", seed=5, dropout=0.0,
+                                  log_every=0))
+    assert abs(scratch["curve"][0]["loss"] - expected) > 0.1  # the weights made the difference
+    assert "weights" not in records.read(out)
+
+
+def test_a_missing_or_foreign_checkpoint_is_an_error_row(tiny_job, tmp_path):
+    record = runner.run(tiny_job(kind="convergence", steps=1, init=str(tmp_path / "none.pt")))
+    assert record["status"] == "error" and "none.pt: no such file" in record["message"]
+    torch.save({"w": torch.zeros(2)}, tmp_path / "other.pt")
+    record = runner.run(tiny_job(kind="convergence", steps=1, init=str(tmp_path / "other.pt")))
+    assert record["status"] == "error" and "another model's weights" in record["message"]
+
+
+def load_method(name):
+    from bench.method import load
+
+    return load(name)
