@@ -20,8 +20,9 @@ def test_smoke_suite_end_to_end(smoke_run):
     summary = pd.read_csv(results / "summary.csv")
     assert list(summary.columns) == SUMMARY_COLUMNS
     # methods x (memory + throughput + 2 seeds convergence + 2 memory sizes of capacity
-    # + 1 of model capacity)
-    assert len(summary) == 2 * (1 + 1 + 2 + 2 + 1)
+    # + 1 of model capacity), then a pre-training run and adamw fine-tuning from it
+    assert len(summary) == 2 * (1 + 1 + 2 + 2 + 1) + 2
+    assert sorted(summary.phase) == ["finetune", "pretrain"] + ["scratch"] * 14
     assert (summary.status == "ok").all(), summary[["result_file", "message"]]
     assert set(summary.kind) == {"memory", "throughput", "convergence", "capacity", "model_capacity"}
     assert summary.loc[summary.kind == "capacity", "largest_batch"].gt(0).all()
@@ -31,7 +32,9 @@ def test_smoke_suite_end_to_end(smoke_run):
     assert summary.loc[summary.kind == "throughput", "throughput_ratio"].gt(0).all()
 
     curves = pd.read_csv(results / "curves.csv")
-    assert len(curves) == 2 * 2 * 8  # methods x seeds x steps
+    assert len(curves) == 2 * 2 * 8 + 4 + 4  # methods x seeds x steps; pre-training, fine-tuning
+    pretrained = next((results / "runs" / "smoke" / "convergence").rglob("*-pretrain.pt"))
+    assert set(summary.loc[summary.phase == "finetune", "init"]) == {str(pretrained.relative_to(workflow_copy))}
 
     for name in FIGURES:
         for ext in ("png", "pdf"):
@@ -57,8 +60,16 @@ def test_smoke_suite_end_to_end(smoke_run):
     runs = lambda counts: sum(n for rule, n in counts.items() if rule.startswith("run_"))  # noqa: E731
     assert runs(job_counts(other.stdout)) == len(plan.groups(planned, "paper-memory"))
 
+    # a deleted pre-training result runs the pre-training again, and the fine-tuning after it
+    pretraining = pretrained.with_suffix(".json")
+    kept = pretraining.read_bytes()
+    pretraining.unlink()
+    rerun = snakemake(workflow_copy, "-n", *SMOKE)
+    pretraining.write_bytes(kept)
+    assert runs(job_counts(rerun.stdout)) == 2 and "finetune" in rerun.stdout
+
     # a deleted result reruns its group (the jobs that share its process), nothing else
-    victim = next((results / "runs" / "smoke" / "convergence").rglob("*.json"))
+    victim = next((results / "runs" / "smoke" / "convergence").rglob("*seed1.json"))
     kept = victim.read_bytes()
     victim.unlink()
     rerun = snakemake(workflow_copy, "-n", *SMOKE)
