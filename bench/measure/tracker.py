@@ -163,7 +163,11 @@ class MemoryTracker(TorchDispatchMode, Tracker):
         entry = self._live.get(tensor.untyped_storage()._cdata)
         if entry is not None and entry[1] == "other" and not entry[2]:
             self._relabel(entry, "activation")
-        saved = _Saved(tensor)
+        # detached: the same storage without the autograd history (autograd restores it on
+        # unpack). Holding `tensor` itself would keep an op's saved output and its graph in
+        # a reference cycle when that graph never runs backward (DoRA's detached norm), so
+        # the tracker would count bytes a real run frees
+        saved = _Saved(tensor.detach())
         self._saved.add(saved)
         return saved
 
