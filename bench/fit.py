@@ -86,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
                         "a Hugging Face config.json (any architecture transformers builds offline)")
     p.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
                    help="methods to answer for (stacks with '+', variants with '@'); default: "
-                        "every method that runs on fake tensors")
+                        "every method that runs on fake tensors but the peers (published packages "
+                        "whose memory equals their twin's, by test: name one to see it)")
     d, least = FIT_DEFAULTS, {k: PROPERTIES[k]["minimum"] for k in ("batch_size", "seq_len", "seed")}
     p.add_argument("--batch-size", type=number(int, least["batch_size"]), default=d["batch_size"],
                    help="sequences per optimizer step (default %(default)s)")
@@ -107,7 +108,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def simulable_methods() -> list[str]:
-    """Every method whose class does not declare `simulates = False`."""
+    """Every method whose class does not declare `simulates = False`, but the peers (a
+    published package run to check one of ours, `peer_of`: the same memory, by test)."""
     from bench.method import available
 
     out = []
@@ -117,7 +119,7 @@ def simulable_methods() -> list[str]:
         except Exception:  # noqa: BLE001 - listed; its row then says why it cannot load
             out.append(name)
             continue
-        if getattr(cls, "simulates", True):
+        if getattr(cls, "simulates", True) and not getattr(cls, "peer_of", None):
             out.append(name)
     return out
 
