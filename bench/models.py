@@ -303,4 +303,6 @@ def _build_from_config(path: str, attn_implementation: str, dropout: float | Non
 
 
 def n_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """The model's weights: each parameter's elements, or for a parameter that packs
+    weights (QLoRA's NF4 codes: two a byte) the count it says it holds (`holds_weights`)."""
+    return sum(getattr(p, "holds_weights", p.numel()) for p in model.parameters())
