@@ -35,6 +35,7 @@ def results(root) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("smoke_run")
 def test_a_killed_run_finishes_with_the_same_command(workflow_copy, smoke_run):
     uninterrupted, first = smoke_run  # an uninterrupted run of the same command
     assert first.returncode == 0, first.stderr[-3000:]

@@ -3,6 +3,7 @@ import json
 import shutil
 
 import pandas as pd
+import pytest
 
 from bench import suite as plan
 from bench.report.aggregate import SUMMARY_COLUMNS
@@ -12,6 +13,7 @@ from conftest import job_counts, snakemake
 SMOKE = ("--cores", "2", "--config", "suite=smoke")
 
 
+@pytest.mark.xdist_group("smoke_run")  # one worker makes the shared smoke run, and reads it
 def test_smoke_suite_end_to_end(smoke_run):
     workflow_copy, out = smoke_run
     assert out.returncode == 0, out.stderr[-3000:]
