@@ -77,8 +77,9 @@ for gid, paths in GROUPS.items():
     rule:
         name: rule_name(gid)
         message: f"{kind}: {gid.split('/', 1)[1]} ({len(paths)} job{'s' if len(paths) > 1 else ''})"
-        # fine-tuning jobs wait for the weights their pre-training run saves beside its result
-        input: sorted({JOBS[p].init for p in paths if JOBS[p].init})
+        # fine-tuning jobs wait for the weights their pre-training run saves beside its result,
+        # tuned jobs for the grid runs they choose their learning rate from (bench/tuning.py)
+        input: sorted({JOBS[p].init for p in paths if JOBS[p].init} | {t for p in paths for t in JOBS[p].tuned_from})
         output: paths + [weights_path(p) for p in paths if JOBS[p].save_weights]
         priority: PRIORITY[kind]
         log: f"results/logs/{gid}.log"

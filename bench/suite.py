@@ -11,6 +11,7 @@ fake tensors, split a batch into micro-batches). Every error names the key.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import yaml
 
 from bench.job import JOB_DEFAULTS, KINDS, PROPERTIES, SCHEMA, Job, cell_suffix
 from bench.measure.records import weights_path
-from bench.method import member_names
+from bench.method import member_names, parse_variant
 from bench.models import MODELS, is_known, max_positions
 
 
@@ -195,15 +196,44 @@ def plan(config: dict) -> dict[str, Job]:
                     settings["init"] = weights_path(path)
                 for method in kind_methods:
                     for batch in batches:
-                        for seed in section["seeds"]:
-                            job = Job(**{**settings, "kind": kind, "method": method,
-                                         "model": model, "batch_size": batch, "task": task,
-                                         "seed": seed,
-                                         "hparams": method_params(config, suite, method)})
-                            if kind == "throughput":
-                                job.baseline = baseline_of(section, method)
-                            jobs[result_path(name, job)] = job
+                        job = Job(**{**settings, "kind": kind, "method": method, "model": model,
+                                     "batch_size": batch, "task": task,
+                                     "hparams": method_params(config, suite, method)})
+                        if kind == "throughput":
+                            job.baseline = baseline_of(section, method)
+                        jobs.update(seeded(name, job, section, where))
     return jobs
+
+
+def seeded(name: str, job: Job, section: dict, where: str) -> dict[str, Job]:
+    """`job` once per seed of the section, by result path. A section with `tuning` gets
+    the protocol of bench/tuning.py instead: the learning-rate grid around the method's
+    own default on the tuning seeds, then the section's seeds at the rate it chooses
+    (`tuned_from`: the grid's result files)."""
+    tuning = section.get("tuning")
+    if not tuning:
+        return {result_path(name, j): j for j in (_with(job, seed=s) for s in section["seeds"])}
+    from bench.tuning import grid
+
+    if set(tuning["seeds"]) & set(section["seeds"]):
+        raise ConfigError(f"config key {where}/tuning/seeds: a learning rate is chosen on seeds other "
+                          f"than the reported ones; {sorted(set(tuning['seeds']) & set(section['seeds']))} "
+                          f"are in both")
+    if any("lr" in parse_variant(m)[1] for m in job.method.split("+")):
+        raise ConfigError(f"config key {where}: {job.method} fixes its learning rate, which the "
+                          f"section's tuning chooses (leave lr out)")
+    center = _load_method(job.method, job.hparams, f"{where}/methods").hp["lr"]
+    grid_jobs = {result_path(name, j): j for j in (_with(job, seed=s, lr=lr)
+                                                   for lr in grid(center, tuning["points"], tuning["factor"])
+                                                   for s in tuning["seeds"])}
+    tuned = {result_path(name, j): j for j in (_with(job, seed=s, tuned_from=list(grid_jobs))
+                                               for s in section["seeds"])}
+    return {**grid_jobs, **tuned}
+
+
+def _with(job: Job, **fields) -> Job:
+    """A copy of `job` (nothing shared) with `fields` changed."""
+    return dataclasses.replace(copy.deepcopy(job), **fields)
 
 
 # A suite's sections and the kind of job each plans: one per kind, and `finetune`, whose
@@ -276,7 +306,9 @@ def groups(jobs: dict[str, Job], suite: str) -> dict[str, list[str]]:
     for path, job in jobs.items():
         key, _ = GROUP_BY[job.kind]
         # a pre-training run and the fine-tuning that waits for its weights never share one
-        role = ["pretrain"] if job.save_weights else ["finetune"] if job.init else []
+        # (nor a tuned run and the grid it reads its learning rate from)
+        role = (["pretrain"] if job.save_weights else ["finetune"] if job.init else []) + (
+            ["tuned"] if job.tuned_from else [])
         keyed.setdefault(f"{suite}/" + "-".join([getattr(job, k) for k in key] + role), []).append(path)
     out: dict[str, list[str]] = {}
     for gid, paths in keyed.items():

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from bench import tuning
 from bench.job import KINDS, Job
 from bench.measure import capacity, kinds, records, step
 from bench.method import Method, load
@@ -44,7 +45,17 @@ def run(job: Job, method: Method | None = None) -> dict:
     def measure() -> dict:
         if job.kind not in KINDS:
             raise ValueError(f"unknown kind {job.kind!r}; known: {', '.join(KINDS)}")
-        m = method or load(job.method, job.hparams)
+        overrides = dict(job.hparams)
+        if job.tuned_from:  # the learning rate its tuning runs chose (bench/tuning.py)
+            record["tuning"] = tuning.chosen(job.tuned_from)
+            if record["tuning"]["lr"] is None:
+                raise step.Diverged("every learning rate of the tuning grid failed on the tuning seeds: "
+                                    + ", ".join(f"{e['lr']:g} {'/'.join(e['statuses'])}"
+                                                for e in record["tuning"]["grid"]))
+            overrides["lr"] = record["tuning"]["lr"]
+        elif job.lr is not None:
+            overrides["lr"] = job.lr
+        m = method or load(job.method, overrides)
         loaded.append(m)
         record["hparams"] = _hparams(m)
         if job.simulate and (job.kind not in ("memory", "capacity", "model_capacity")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench import estimate
+from bench import estimate, tuning
 from bench.errors import first_line
 from bench.measure import records as results
 from bench.models import family
@@ -30,10 +30,11 @@ SUMMARY_COLUMNS = [
     "step_time_median_s", "step_time_q1_s", "step_time_q3_s", "largest_batch", "at_max_batch",
     "largest_model", "at_ladder_top", "flops", "bytes_moved", "ops", "flops_forward",
     "flops_backward", "flops_optimizer", "est_h100_step_time_s", "est_h100_tokens_per_s",
-    "est_h100_calibrated", "phase", "init", "task", "steps", "final_loss", "loss_floor", "status",
+    "est_h100_calibrated", "phase", "init", "task", "steps", "lr", "tuning", "final_loss", "loss_floor",
+    "target_loss", "steps_to_target", "tokens_to_target", "status",
     "message", "seed", "commit", "torch_version", "date", "wall_time_s", "hparams", "result_file",
 ]
-CURVE_COLUMNS = ["method", "model", "phase", "task", "seed", "batch_size", "seq_len", "step", "wall_s",
+CURVE_COLUMNS = ["method", "model", "phase", "tuning", "task", "seed", "batch_size", "seq_len", "step", "wall_s",
                  "loss", "loss_floor", "status"]
 
 
@@ -61,8 +62,9 @@ def summary_row(record: dict, path: str) -> dict:
         **cost_columns(record.get("cost"), job["batch_size"] * job["seq_len"]),
         "phase": phase(job), "init": job.get("init"),
         "task": job["task"], "steps": job["steps"] if job["kind"] in ("throughput", "convergence") else None,
+        "lr": hp.get("lr") if job["kind"] == "convergence" else None, "tuning": tuning_role(job),
         "final_loss": record.get("final_loss"), "loss_floor": record.get("loss_floor"),
-        "status": record["status"], "message": record.get("message"), "seed": job["seed"],
+        **to_target(record), "status": record["status"], "message": record.get("message"), "seed": job["seed"],
         "commit": prov.get("commit"), "torch_version": prov.get("torch_version"),
         "date": prov.get("date"), "wall_time_s": record.get("wall_time_s"),
         "hparams": json.dumps(hp, sort_keys=True), "result_file": path,
@@ -111,9 +113,31 @@ def phase(job: dict) -> str:
     return "pretrain" if job.get("save_weights") else "finetune" if job.get("init") else "scratch"
 
 
+def tuning_role(job: dict) -> str | None:
+    """A convergence job's part in the tuning protocol (bench/tuning.py): `grid` (a run at a
+    learning rate the job sets: the tuning grid's), `tuned` (a reported run at the rate its
+    grid chose) or `fixed` (at the rate its method and config give: no tuning)."""
+    if job["kind"] != "convergence":
+        return None
+    return "tuned" if job.get("tuned_from") else "grid" if job.get("lr") is not None else "fixed"
+
+
+def to_target(record: dict) -> dict:
+    """How long a convergence run took to reach the target loss (the task's floor +
+    tuning.TARGET_GAP; none without a floor): steps and tokens, None if it never did."""
+    floor, curve = record.get("loss_floor"), record.get("curve")
+    if floor is None or not curve:
+        return {"target_loss": None, "steps_to_target": None, "tokens_to_target": None}
+    target = floor + tuning.TARGET_GAP
+    steps = tuning.steps_to_target([c["loss"] for c in curve], target)
+    tokens = steps * record["job"]["batch_size"] * record["job"]["seq_len"] if steps else None
+    return {"target_loss": target, "steps_to_target": steps, "tokens_to_target": tokens}
+
+
 def curve_rows(record: dict) -> list[dict]:
     job = record["job"]
-    return [{"method": job["method"], "model": job["model"], "phase": phase(job), "task": job["task"],
+    return [{"method": job["method"], "model": job["model"], "phase": phase(job), "tuning": tuning_role(job),
+             "task": job["task"],
              "seed": job["seed"], "batch_size": job["batch_size"], "seq_len": job["seq_len"],
              **point, "loss_floor": record.get("loss_floor"), "status": record["status"]}
             for point in record.get("curve", [])]

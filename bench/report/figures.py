@@ -35,11 +35,11 @@ from bench.report.tables import (BASELINE, CATEGORIES,  # noqa: E402
                           CONVERGENCE_CELL, MEMORY_CELL, THROUGHPUT_CELL, capacity_table,
                           convergence_table, largest_model_table, memory_table, method_order,
                           model_order, overview_table, parameters_text, read_curves, read_summary,
-                          PHASES, status_text, task_label, throughput_table)
+                          PHASES, reported, status_text, task_label, throughput_table, tuning_table)
 from bench.report.style import (FAIL_COLOR, LINESTYLES, MARKERS, finish,  # noqa: E402
                                 method_colors, method_linestyles, nudge)
 
-FIGURES = ["overview", "memory_breakdown", "throughput_relative", "convergence",
+FIGURES = ["overview", "memory_breakdown", "throughput_relative", "convergence", "sensitivity",
            "capacity", "model_capacity", "throughput_capacity"]
 
 DPI = 150
@@ -308,7 +308,7 @@ def _identical_groups(means: dict[str, pd.Series]) -> list[list[str]]:
 def figure_convergence(summary: pd.DataFrame, curves: pd.DataFrame) -> plt.Figure:
     """Training loss vs optimizer step per (task, model): mean over seeds, min-max band."""
     title = "Convergence: training loss per optimizer step"
-    conv = summary[summary["kind"] == "convergence"]
+    conv, curves = reported(summary[summary["kind"] == "convergence"]), reported(curves)
     keys = set(map(tuple, conv[CONVERGENCE_CELL].to_numpy().tolist())) | \
         set(map(tuple, curves[CONVERGENCE_CELL].to_numpy().tolist()))
     if not keys:
@@ -322,8 +322,8 @@ def figure_convergence(summary: pd.DataFrame, curves: pd.DataFrame) -> plt.Figur
     fig, axes = _grid(len(panels), 2, 6.4, 4.6)
     windows, drawn = set(), set()
     floor_drawn = start_drawn = False
-    for ax, (task, model, phase) in zip(axes, panels):
-        cell = {"task": task, "model": model, "phase": phase}
+    for ax, (task, model, phase, tuning) in zip(axes, panels):
+        cell = {"task": task, "model": model, "phase": phase, "tuning": tuning}
         part = curves[_key_match(curves, cell, CONVERGENCE_CELL)]
         jobs = conv[_key_match(conv, cell, CONVERGENCE_CELL)]
         means, tails = {}, []
@@ -388,7 +388,7 @@ def figure_convergence(summary: pd.DataFrame, curves: pd.DataFrame) -> plt.Figur
         else:
             ax.set_xticks([])
             ax.set_yticks([])
-        ax.set_title(f"{task_label(task, phase)} · {model}", fontsize=10)
+        ax.set_title(f"{task_label(task, phase, tuning)} · {model}", fontsize=10)
     handles = [Line2D([], [], color=colors[m], ls=styles[m], lw=1.8, label=m)
                for m in all_methods if m in drawn]
     if not curves[curves["status"] != "ok"].empty:
@@ -406,7 +406,65 @@ def figure_convergence(summary: pd.DataFrame, curves: pd.DataFrame) -> plt.Figur
            "second half of training, zoomed. No dashed line: no known floor for that task. "
            "Pre-training: the run fine-tuning starts from; fine-tuning: every method from its "
            f"weights, the dash-dot line its loss before any update (mean of {BASELINE}'s first "
-           "step over seeds).",
+           "step over seeds). Tuned lr: each method at the learning rate its tuning runs chose "
+           "(figure sensitivity), on other seeds.",
+           handles, ncol=min(len(handles), 5))
+    return fig
+
+
+def figure_sensitivity(summary: pd.DataFrame) -> plt.Figure:
+    """Final loss against learning rate per method, from the tuning grids' runs (mean over
+    the tuning seeds): how much each method's result depends on finding its rate."""
+    title = "Sensitivity: final training loss against learning rate (tuning runs)"
+    table = tuning_table(summary)
+    if table.empty:
+        return no_data_figure(title, "no tuning runs in the summary (a convergence section with `tuning`)")
+    cell = [k for k in CONVERGENCE_CELL if k != "tuning"]
+    keys = sorted(set(map(tuple, table[cell].to_numpy().tolist())), key=lambda k: (str(k[2]), str(k[0]), str(k[1])))
+    every = method_order(summary["method"])
+    colors, styles = method_colors(every), method_linestyles(every)
+    fig, axes = _grid(len(keys), 2, 6.4, 4.6)
+    drawn, failed_any = set(), False
+    for ax, key in zip(axes, keys):
+        part = table[np.logical_and.reduce([(table[k] == v).to_numpy() for k, v in zip(cell, key)])]
+        ok = part.dropna(subset=["final_loss_mean"])
+        top = ok["final_loss_mean"].max() if len(ok) else 1.0
+        for method in method_order(part["method"]):
+            g = part[part["method"] == method].sort_values("lr")
+            good = g.dropna(subset=["final_loss_mean"])
+            ax.plot(good["lr"], good["final_loss_mean"], color=colors[method], ls=styles[method], lw=1.5,
+                    marker="o", markersize=3.5)
+            best = good[good["chosen"]]
+            ax.plot(best["lr"], best["final_loss_mean"], ls="", marker="*", markersize=12,
+                    color=colors[method], markeredgecolor="black", markeredgewidth=0.6)
+            bad = g[g["final_loss_mean"].isna()]
+            if len(bad):
+                failed_any = True
+                ax.plot(bad["lr"], [top] * len(bad), ls="", marker="x", markersize=7, color=colors[method],
+                        clip_on=False)
+            drawn.add(method)
+        floor = summary[(summary["kind"] == "convergence") & (summary["task"] == key[0])]["loss_floor"].dropna()
+        if len(floor):
+            ax.axhline(floor.mean(), color="black", ls="--", lw=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate (log scale)")
+        ax.set_ylabel("final training loss (nats/token)")
+        ax.set_title(f"{task_label(key[0], key[2])} · {key[1]}", fontsize=10)
+    handles = [Line2D([], [], color=colors[m], ls=styles[m], marker="o", markersize=3.5, lw=1.5, label=m)
+               for m in every if m in drawn]
+    handles.append(Line2D([], [], ls="", marker="*", markersize=11, color="0.5", markeredgecolor="black",
+                          label="chosen (its reported runs' rate)"))
+    if failed_any:
+        handles.append(Line2D([], [], ls="", marker="x", color="0.4", label="a tuning run failed (diverged)"))
+    if (summary["loss_floor"].notna() & (summary["kind"] == "convergence")).any():
+        handles.append(Line2D([], [], color="black", ls="--", lw=1, label="loss floor (entropy rate)"))
+    grids = "; ".join(f"{m} {', '.join(f'{lr:g}' for lr in sorted(g['lr'].unique()))}"
+                      for m, g in table.groupby("method", sort=False))
+    seeds = sorted(summary[(summary["kind"] == "convergence") & (summary["tuning"] == "grid")]["seed"].unique())
+    finish(fig, title, "Each point: a method at one learning rate of its grid, mean final loss (last tenth of "
+           f"the steps) over the tuning seeds ({', '.join(str(int(x)) for x in seeds)}); the same number "
+           "of rates for every method, log-spaced around its own default (methods that keep AdamW's "
+           f"update share its grid). The star is the rate chosen (lowest mean). Rates tried: {grids}.",
            handles, ncol=min(len(handles), 5))
     return fig
 
@@ -443,6 +501,8 @@ def figure_overview(summary: pd.DataFrame) -> plt.Figure:
     title = f"Memory saved vs speed cost, relative to {BASELINE}"
     table = overview_table(summary)
     conv = convergence_table(summary)
+    if (conv["tuning"] == "tuned").any():  # best vs best: a tuned method beside the tuned baseline only
+        conv = conv[conv["tuning"] == "tuned"]
     conv_ok = conv[conv["method"] != BASELINE].dropna(subset=["gap_vs_baseline"]) \
         if len(conv) else conv
     if table.empty and conv.empty:
@@ -548,9 +608,11 @@ def _overview_scatter(ax, table: pd.DataFrame, colors, markers) -> None:
 
 
 def _overview_loss_gap(ax, conv: pd.DataFrame, conv_ok: pd.DataFrame, colors) -> None:
-    ax.set_title(f"final training loss minus {BASELINE}'s (mean over seeds)", fontsize=9.5)
+    tuned = (conv["tuning"] == "tuned").any() if len(conv) else False
+    ax.set_title(f"final training loss minus {BASELINE}'s (mean over seeds)"
+                 + ("\neach at its best learning rate (tuned alike)" if tuned else ""), fontsize=9.5)
     ax.set_xlabel(f"final loss - {BASELINE}'s (nats/token; left = lower loss)\n"
-                  "error bars: std of the method's final loss over seeds", fontsize=9.5)
+                  "error bars: 95% interval of the gap, paired by seed", fontsize=9.5)
     if conv_ok.empty:
         ax.text(0.5, 0.5, "No data: no converged method\nwith a converged "
                 f"{BASELINE} to compare", ha="center", va="center", transform=ax.transAxes,
@@ -558,31 +620,30 @@ def _overview_loss_gap(ax, conv: pd.DataFrame, conv_ok: pd.DataFrame, colors) ->
         ax.set_xticks([])
         ax.set_yticks([])
     else:
-        rows = conv_ok.assign(label=[f"{r.method}\n{task_label(r.task, r.phase)} · {r.model}"
+        rows = conv_ok.assign(label=[f"{r.method}\n{task_label(r.task, r.phase, r.tuning)} · {r.model}"
                                      for r in conv_ok.itertuples()])
         rows = rows.assign(_o=rows["method"].map(method_order(rows["method"]).index))
         rows = rows.sort_values(["_o", "task", "model"]).reset_index(drop=True)
         ys = np.arange(len(rows))
-        ax.barh(ys, rows["gap_vs_baseline"], color=[colors[m] for m in rows["method"]],
-                height=0.6, xerr=rows["final_loss_std"].fillna(0), capsize=3,
-                error_kw=dict(lw=1))
+        gap = rows["gap_vs_baseline"]
+        lo, hi = (gap - rows["gap_lo"]).fillna(0).clip(lower=0), (rows["gap_hi"] - gap).fillna(0).clip(lower=0)
+        ax.barh(ys, gap, color=[colors[m] for m in rows["method"]],
+                height=0.6, xerr=[lo, hi], capsize=3, error_kw=dict(lw=1))
         ax.set_yticks(ys, rows["label"], fontsize=8.5)
         ax.invert_yaxis()
         ax.axvline(0.0, color="black", ls="--", lw=1)
-        span = np.nanmax(np.abs(np.r_[rows["gap_vs_baseline"] + rows["final_loss_std"]
-                                      .fillna(0), rows["gap_vs_baseline"] -
-                                      rows["final_loss_std"].fillna(0)]))
+        span = np.nanmax(np.abs(np.r_[gap + hi, gap - lo]))
         span = span if np.isfinite(span) and span > 0 else 1.0
         ax.set_xlim(-span * 1.45, span * 1.45)
-        for y, gap, std in zip(ys, rows["gap_vs_baseline"], rows["final_loss_std"].fillna(0)):
-            ax.annotate(f"{gap:+.4f}", (gap + std if gap >= 0 else gap - std, y),
-                        xytext=(4 if gap >= 0 else -4, 0), textcoords="offset points",
-                        ha="left" if gap >= 0 else "right", va="center", fontsize=8.5)
+        for y, g, left, right in zip(ys, gap, lo, hi):
+            ax.annotate(f"{g:+.4f}", (g + right if g >= 0 else g - left, y),
+                        xytext=(4 if g >= 0 else -4, 0), textcoords="offset points",
+                        ha="left" if g >= 0 else "right", va="center", fontsize=8.5)
         ax.grid(axis="y", visible=False)
     floors = []
     base = conv[conv["method"] == BASELINE] if len(conv) else conv
     for r in base.itertuples():
-        where = f"{task_label(r.task, r.phase)} · {r.model}"
+        where = f"{task_label(r.task, r.phase, r.tuning)} · {r.model}"
         if r.n_ok == 0:
             floors.append(f"{where}: {BASELINE} {r.status}")
         elif pd.notna(r.loss_floor):
@@ -593,7 +654,7 @@ def _overview_loss_gap(ax, conv: pd.DataFrame, conv_ok: pd.DataFrame, colors) ->
     failed = conv[(conv["n_ok"] == 0) & (conv["method"] != BASELINE)] if len(conv) else conv
     if len(failed):
         floors.append("no final loss: " + ", ".join(
-            f"{r.method} ({task_label(r.task, r.phase)}, {r.status})" for r in failed.itertuples()))
+            f"{r.method} ({task_label(r.task, r.phase, r.tuning)}, {r.status})" for r in failed.itertuples()))
     if floors:
         ax.annotate("\n".join(textwrap.fill(f, 70) for f in floors), (0.0, 0.0),
                     xycoords="axes fraction", xytext=(0, -52), textcoords="offset points",
@@ -736,6 +797,7 @@ def builders(summary: pd.DataFrame, curves: pd.DataFrame) -> dict:
         "memory_breakdown": lambda: figure_memory_breakdown(summary),
         "throughput_relative": lambda: figure_throughput_relative(summary),
         "convergence": lambda: figure_convergence(summary, curves),
+        "sensitivity": lambda: figure_sensitivity(summary),
         "capacity": lambda: figure_capacity(summary),
         "model_capacity": lambda: figure_model_capacity(summary),
         "throughput_capacity": lambda: fig_throughput_capacity.figure(summary),

@@ -20,9 +20,10 @@ import yaml
 from bench.report.figures import FIGURES
 from bench.measure.records import write_text_atomic
 from bench.report.tables import (BASELINE, CATEGORIES, MODEL_CAPACITY_CELL, capacity_table, claim_table,
-                          convergence_table, largest_model_table, memory_table, method_order,
+                          convergence_table, largest_model_table, memory_table, method_order, tuning_table,
                           model_order, parameters_text, read_summary, simulation_accuracy_table,
                           task_label, throughput_table)
+from bench.tuning import RULE, TARGET_GAP, WINDOW
 
 CAPTIONS = Path(__file__).resolve().parent / "captions"
 
@@ -160,13 +161,13 @@ def throughput_section(summary: pd.DataFrame) -> str:
             + markdown_table(rows, THROUGHPUT_HEADER, "lrrllllrrr"))
 
 
-CONVERGENCE_HEADER = ["task", "model", "method", "seeds ok", "status",
+CONVERGENCE_HEADER = ["task", "model", "method", "lr", "seeds ok", "status",
                       "final loss (mean ± std)", "loss floor", "gap to floor",
-                      f"gap to {BASELINE}"]
+                      f"gap to {BASELINE} (95% interval)", "steps to target"]
 
 
 def convergence_section(summary: pd.DataFrame) -> str:
-    table = _ordered(convergence_table(summary), summary, ["phase", "task", "model"])
+    table = _ordered(convergence_table(summary), summary, ["phase", "tuning", "task", "model"])
     if table.empty:
         return "_No convergence jobs._"
     rows = []
@@ -176,13 +177,45 @@ def convergence_section(summary: pd.DataFrame) -> str:
             loss += f" ± {r['final_loss_std']:.4f}"
         floor = num(r["loss_floor"], ".4f") or "none known"
         gap = "baseline" if r["method"] == BASELINE else num(r["gap_vs_baseline"], "+.4f")
-        rows.append([task_label(r["task"], r["phase"]), r["model"], r["method"], f"{r['n_ok']}/{r['n_jobs']}",
-                     r["status"], loss, floor, num(r["gap_to_floor"], "+.4f"), gap])
-    return ("Final training loss in nats/token over the seeds that finished (± sample "
-            "standard deviation over seeds). The loss floor is the task's entropy rate where "
-            f"it is known; gap to floor = mean final loss - floor; gap to {BASELINE} = mean "
-            f"final loss - {BASELINE}'s.\n\n"
-            + markdown_table(rows, CONVERGENCE_HEADER, "lllrlrrrr"))
+        if gap and r["method"] != BASELINE and pd.notna(r["gap_lo"]):
+            gap += f" ({r['gap_lo']:+.3f} to {r['gap_hi']:+.3f})"
+        reached = ("" if pd.isna(r["target_loss"]) else "none reached" if r["n_reached"] == 0 else
+                   f"{r['steps_to_target']:.0f}" + ("" if r["n_reached"] == r["n_ok"] else
+                                                    f" ({int(r['n_reached'])}/{int(r['n_ok'])} reached)"))
+        rows.append([task_label(r["task"], r["phase"], r["tuning"]), r["model"], r["method"], num(r["lr"], "g"),
+                     f"{r['n_ok']}/{r['n_jobs']}", r["status"], loss, floor, num(r["gap_to_floor"], "+.4f"),
+                     gap, reached])
+    return ("Final training loss in nats/token (the mean of a run's last tenth of steps) over the "
+            "seeds that finished (± sample standard deviation over seeds). The loss floor is the "
+            "task's entropy rate where it is known; gap to floor = mean final loss - floor; gap to "
+            f"{BASELINE} = mean final loss - {BASELINE}'s in the same cell, with its 95% interval "
+            "paired by seed. Tuned lr: each method ran at the learning rate its tuning runs chose "
+            f"(next table), {BASELINE} included, so a gap compares best with best; elsewhere every "
+            "method ran at its default rate. Steps to target: the first step where the running "
+            f"mean loss over {WINDOW} steps is within {TARGET_GAP} nats of the floor (mean over "
+            "the seeds that got there).\n\n"
+            + markdown_table(rows, CONVERGENCE_HEADER, "lllrrlrrrrr") + tuning_section(summary))
+
+
+TUNING_HEADER = ["task", "model", "method", "learning rates tried: mean final loss (tuning seeds)", "chosen"]
+
+
+def tuning_section(summary: pd.DataFrame) -> str:
+    """The tuning grids behind the tuned rows: each rate's mean final loss, the chosen one."""
+    table = tuning_table(summary)
+    if table.empty:
+        return ""
+    rows = []
+    for (task, model, phase, method), g in table.groupby(["task", "model", "phase", "method"], sort=False):
+        tried = ", ".join(f"{r.lr:g}: " + (f"{r.final_loss_mean:.3f}" if pd.notna(r.final_loss_mean) else r.status)
+                          for r in g.sort_values("lr").itertuples())
+        best = g[g["chosen"]]
+        rows.append([task_label(task, phase), model, method, tried,
+                     f"{best['lr'].iloc[0]:g}" if len(best) else "none (every rate failed)"])
+    return ("\n\n**Tuning.** Every method, the baseline included, ran the same number of learning "
+            "rates, log-spaced around its own default, on tuning seeds of their own; the rate with the "
+            f"lowest mean final loss (none of its runs failed) is chosen ({RULE}).\n\n"
+            + markdown_table(rows, TUNING_HEADER, "lllll"))
 
 
 def capacity_section(summary: pd.DataFrame) -> str:

@@ -18,11 +18,13 @@ BASELINE = "adamw"
 MIB = 2 ** 20
 MEMORY_CELL = ["model", "batch_size", "seq_len", "device"]
 THROUGHPUT_CELL = ["model", "batch_size", "seq_len", "device"]
-CONVERGENCE_CELL = ["task", "model", "phase"]  # phase: scratch, pretrain, finetune (aggregate.phase)
+# phase: scratch, pretrain, finetune (aggregate.phase); tuning: fixed or tuned learning rate
+# (aggregate.tuning_role; a tuning grid's own runs are not reported: `reported`)
+CONVERGENCE_CELL = ["task", "model", "phase", "tuning"]
 
 TEXT_COLUMNS = ["kind", "method", "model", "largest_model", "family", "dtype", "device", "device_name",
-                "cpu_id", "memory_tier", "phase", "init", "task", "status", "message", "commit", "torch_version",
-                "date"]
+                "cpu_id", "memory_tier", "phase", "tuning", "init", "task", "status", "message", "commit",
+                "torch_version", "date"]
 
 
 # ----------------------------------------------------------------------------- data
@@ -35,8 +37,9 @@ def _tidy(frame: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
             frame[col] = frame[col].astype("object").where(frame[col].notna(), None)
         elif col != "hparams" and col != "result_file":
             frame[col] = pd.to_numeric(frame[col], errors="coerce")
-    missing = {"status": "unknown", "phase": "scratch"}  # results from before fine-tuning: scratch
-    for col in ("kind", "method", "model", "task", "device", "status", "phase"):
+    # results from before fine-tuning and tuning: from scratch, at a fixed learning rate
+    missing = {"status": "unknown", "phase": "scratch", "tuning": "fixed"}
+    for col in ("kind", "method", "model", "task", "device", "status", "phase", "tuning"):
         if col in frame:
             frame[col] = frame[col].fillna(missing.get(col, "?")).astype(str)
     return frame
@@ -57,10 +60,18 @@ def read_curves(path: str | Path | None) -> pd.DataFrame:
 PHASES = {"scratch": "", "pretrain": "pre-training", "finetune": "fine-tuning"}
 
 
-def task_label(task: str, phase: str) -> str:
-    """A convergence cell's task as the report and the figures name it: the task, and how
-    its model started unless from scratch ("markov_shift, fine-tuning")."""
-    return f"{task}, {PHASES[phase]}" if PHASES.get(phase) else task
+def task_label(task: str, phase: str, tuning: str = "fixed") -> str:
+    """A convergence cell's task as the report and the figures name it: the task, how its
+    model started unless from scratch, and whether each method ran at its tuned learning
+    rate ("markov_shift, fine-tuning, tuned lr")."""
+    parts = [task] + ([PHASES[phase]] if PHASES.get(phase) else []) + (["tuned lr"] if tuning == "tuned" else [])
+    return ", ".join(parts)
+
+
+def reported(frame: pd.DataFrame) -> pd.DataFrame:
+    """The convergence rows (of summary or curves) that report a method: all but a tuning
+    grid's runs, which only choose the learning rate of the reported ones."""
+    return frame[frame["tuning"] != "grid"]
 
 
 def method_order(methods) -> list[str]:
@@ -180,12 +191,16 @@ def throughput_table(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 def convergence_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """One row per (task, model, phase, method): final loss mean and std over ok seeds, the loss
-    floor (NaN: none known), the gap to it and to the baseline's mean final loss."""
-    conv = summary[summary["kind"] == "convergence"]
-    cols = CONVERGENCE_CELL + ["method", "batch_size", "seq_len", "steps", "status", "message",
+    """One row per (task, model, phase, tuning, method) of the reported runs: the learning
+    rate, final loss mean and std over ok seeds, the loss floor (NaN: none known), the gap
+    to it and to the baseline's mean final loss with a 95% interval (t, over the seeds both
+    ran: `gap_lo`..`gap_hi`), and steps to the target loss (mean over the seeds that reached
+    it, `n_reached` of `n_ok`)."""
+    conv = reported(summary[summary["kind"] == "convergence"])
+    cols = CONVERGENCE_CELL + ["method", "batch_size", "seq_len", "steps", "lr", "status", "message",
                                "n_jobs", "n_ok", "final_loss_mean", "final_loss_std",
-                               "loss_floor", "gap_to_floor", "gap_vs_baseline"]
+                               "loss_floor", "gap_to_floor", "gap_vs_baseline", "gap_lo", "gap_hi",
+                               "target_loss", "steps_to_target", "n_reached"]
     rows = []
     for key, g in group_cells(conv, CONVERGENCE_CELL + ["method"]):
         ok = g[g["status"] == "ok"]
@@ -196,7 +211,11 @@ def convergence_table(summary: pd.DataFrame) -> pd.DataFrame:
                    message=first_message(g["message"]), n_jobs=len(g), n_ok=len(ok),
                    final_loss_mean=ok["final_loss"].mean() if len(ok) else np.nan,
                    final_loss_std=ok["final_loss"].std(ddof=1) if len(ok) > 1 else np.nan,
-                   loss_floor=floors.dropna().mean() if floors.notna().any() else np.nan)
+                   loss_floor=floors.dropna().mean() if floors.notna().any() else np.nan,
+                   lr=ok["lr"].iloc[0] if ok["lr"].nunique() == 1 else np.nan,
+                   target_loss=g["target_loss"].max(), steps_to_target=ok["steps_to_target"].mean(),
+                   n_reached=int(ok["steps_to_target"].notna().sum()))
+        row.update(_gap_interval(conv, row))
         rows.append(row)
     table = pd.DataFrame(rows, columns=cols)
     if table.empty:
@@ -207,6 +226,45 @@ def convergence_table(summary: pd.DataFrame) -> pd.DataFrame:
         lambda k: base.get(k, np.nan)), dtype=float)
     table["gap_vs_baseline"] = table["final_loss_mean"].to_numpy(dtype=float) - base_loss
     return table
+
+
+# Student's t 0.975 quantile for 1..30 degrees of freedom (the last serves more)
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042)
+
+
+def _gap_interval(conv: pd.DataFrame, cell: dict) -> dict:
+    """The 95% interval of a method's final loss minus the baseline's in one cell, paired
+    by seed (t over the seeds both ran ok; NaN with fewer than two)."""
+    ok = conv[(conv["status"] == "ok") & np.logical_and.reduce(
+        [(conv[k] == cell[k]).to_numpy() for k in CONVERGENCE_CELL])]
+    mine = ok[ok["method"] == cell["method"]].groupby("seed")["final_loss"].mean()
+    base = ok[ok["method"] == BASELINE].groupby("seed")["final_loss"].mean()
+    diff = (mine - base).dropna()
+    if len(diff) < 2:
+        return {"gap_lo": np.nan, "gap_hi": np.nan}
+    half = T975[min(len(diff) - 1, len(T975)) - 1] * diff.std(ddof=1) / np.sqrt(len(diff))
+    return {"gap_lo": diff.mean() - half, "gap_hi": diff.mean() + half}
+
+
+def tuning_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """The tuning grids: one row per (cell, method, learning rate) of the grid runs, with
+    the mean final loss over the tuning seeds (NaN if one failed), their statuses, and
+    whether the protocol chose that rate (the rate its reported runs ran at)."""
+    conv = summary[summary["kind"] == "convergence"]
+    grid, tuned = conv[conv["tuning"] == "grid"], conv[conv["tuning"] == "tuned"]
+    cell = [k for k in CONVERGENCE_CELL if k != "tuning"]
+    cols = cell + ["method", "lr", "n_jobs", "n_ok", "final_loss_mean", "steps_to_target", "status", "chosen"]
+    chosen = set(map(tuple, tuned[cell + ["method", "lr"]].dropna().to_numpy().tolist()))
+    rows = []
+    for key, g in group_cells(grid, cell + ["method", "lr"]):
+        ok = g[g["status"] == "ok"]
+        rows.append({**dict(zip(cell + ["method", "lr"], key)), "n_jobs": len(g), "n_ok": len(ok),
+                     "final_loss_mean": ok["final_loss"].mean() if len(ok) == len(g) else np.nan,
+                     "steps_to_target": ok["steps_to_target"].mean(), "status": status_text(g["status"]),
+                     "chosen": tuple(key) in chosen})
+    return pd.DataFrame(rows, columns=cols)
 
 
 def overview_table(summary: pd.DataFrame) -> pd.DataFrame:
@@ -329,8 +387,8 @@ def _ratio_range(pairs: pd.DataFrame) -> tuple[str, int]:
 def _gap_by_task(pairs: pd.DataFrame) -> tuple[str, int]:
     gaps = (pairs.assign(gap=pairs["m"] - pairs["v"])
             .groupby(CONVERGENCE_CELL, dropna=False)["gap"].agg(["mean", "std", "count"]))
-    text = "; ".join(f"{task_label(task, phase)} {g['mean']:+.3f} ± {g['std']:.3f} (n={int(g['count'])})"
-                     for (task, _model, phase), g in gaps.iterrows())
+    text = "; ".join(f"{task_label(task, phase, tuning)} {g['mean']:+.3f} ± {g['std']:.3f} (n={int(g['count'])})"
+                     for (task, _model, phase, tuning), g in gaps.iterrows())
     return text, len(gaps)
 
 
@@ -386,7 +444,7 @@ def claim_table(summary: pd.DataFrame, claims: list[dict]) -> pd.DataFrame:
         if c["metric"] not in CLAIM_METRICS:
             raise ValueError(f"unknown claim metric {c['metric']!r}; known: {', '.join(CLAIM_METRICS)}")
         kind, value, keys, summarise = CLAIM_METRICS[c["metric"]]
-        pairs = _paired(frame[frame["kind"] == kind], c["method"], c["versus"], keys, value)
+        pairs = _paired(reported(frame[frame["kind"] == kind]), c["method"], c["versus"], keys, value)
         ours, n = summarise(pairs) if len(pairs) else ("no results", 0)
         setup = _setup_text(pairs, summary, kind) if len(pairs) else ""
         rows.append({**c, "ours": ours, "our_setup": setup, "n": n})

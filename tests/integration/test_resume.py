@@ -16,8 +16,9 @@ from bench.report.figures import FIGURES
 from conftest import snakemake
 
 SMOKE = ("--cores", "2", "--config", "suite=smoke")
-PLANNED = 14  # the smoke suite's results: 2 methods x (memory, throughput, 2 convergence seeds,
-#               capacity, model_capacity), a pre-training run and one fine-tuning job
+PLANNED = 18  # the smoke suite's results: 2 methods x (memory, throughput, 2 learning rates on a
+#               tuning seed, 2 convergence seeds at the chosen one, capacity, model_capacity), a
+#               pre-training run and one fine-tuning job
 
 
 def results(root) -> dict:

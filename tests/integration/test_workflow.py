@@ -21,10 +21,16 @@ def test_smoke_suite_end_to_end(smoke_run):
 
     summary = pd.read_csv(results / "summary.csv")
     assert list(summary.columns) == SUMMARY_COLUMNS
-    # methods x (memory + throughput + 2 seeds convergence + 2 memory sizes of capacity
-    # + 1 of model capacity), then a pre-training run and adamw fine-tuning from it
-    assert len(summary) == 2 * (1 + 1 + 2 + 2 + 1) + 2
-    assert sorted(summary.phase) == ["finetune", "pretrain"] + ["scratch"] * 14
+    # methods x (memory + throughput + 2 learning rates of a tuning grid + 2 seeds at the rate
+    # chosen + 2 memory sizes of capacity + 1 of model capacity), then a pre-training run and
+    # adamw fine-tuning from it
+    assert len(summary) == 2 * (1 + 1 + 2 + 2 + 2 + 1) + 2
+    assert sorted(summary.phase) == ["finetune", "pretrain"] + ["scratch"] * 18
+    conv = summary[(summary.kind == "convergence") & (summary.phase == "scratch")]
+    assert sorted(conv.tuning) == ["grid"] * 4 + ["tuned"] * 4
+    for method, runs in conv.groupby("method"):  # the tuned seeds ran at the grid's best rate
+        grid, tuned = runs[runs.tuning == "grid"], runs[runs.tuning == "tuned"]
+        assert set(tuned.lr) == {grid.loc[grid.final_loss.idxmin(), "lr"]}, method
     assert (summary.status == "ok").all(), summary[["result_file", "message"]]
     assert set(summary.kind) == {"memory", "throughput", "convergence", "capacity", "model_capacity"}
     assert summary.loc[summary.kind == "capacity", "largest_batch"].gt(0).all()
@@ -34,7 +40,7 @@ def test_smoke_suite_end_to_end(smoke_run):
     assert summary.loc[summary.kind == "throughput", "throughput_ratio"].gt(0).all()
 
     curves = pd.read_csv(results / "curves.csv")
-    assert len(curves) == 2 * 2 * 8 + 4 + 4  # methods x seeds x steps; pre-training, fine-tuning
+    assert len(curves) == 2 * 4 * 8 + 4 + 4  # methods x (grid + seeds) x steps; pre-training, fine-tuning
     pretrained = next((results / "runs" / "smoke" / "convergence").rglob("*-pretrain.pt"))
     assert set(summary.loc[summary.phase == "finetune", "init"]) == {str(pretrained.relative_to(workflow_copy))}
 

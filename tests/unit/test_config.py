@@ -123,8 +123,12 @@ def test_dry_run_lists_jobs(workflow_copy):
     memory = [g for g in by_group if g.startswith("quick/memory-")]
     assert all(len({p.split("/")[4] for p in by_group[g]}) == 1 for g in memory)  # one model each
     convergence = [g for g in by_group if g.startswith("quick/convergence-gpt2-tiny")]
-    assert convergence[0] == "quick/convergence-gpt2-tiny-1" and len(convergence) > 1  # chunks
+    assert "quick/convergence-gpt2-tiny-finetune-1" in convergence  # chunks
     assert all(len(by_group[g]) <= plan.GROUP_BY["convergence"][1] for g in convergence)
+    # a tuned run never shares a process with the grid it reads its learning rate from
+    for g in convergence:
+        tuned = {bool(jobs[p].tuned_from) for p in by_group[g]}
+        assert len(tuned) == 1 and (tuned == {True}) == g.endswith("-tuned"), g
 
 
 def test_a_new_method_module_joins_the_dag(workflow_copy):
@@ -211,10 +215,13 @@ def test_a_finetune_section_pretrains_once_per_model_and_starts_every_job_from_i
                                                          section["pretrain"]["batch_size"])
         tuned = [j for j in jobs.values() if j.init == path.removesuffix(".json") + ".pt"]
         assert {j.model for j in tuned} == {pre.model}
-        assert len(tuned) == len(section["methods"]) * len(section["seeds"])
+        # each method: its tuning grid's runs, then the section's seeds
+        tuning = section["tuning"]
+        runs = tuning["points"] * len(tuning["seeds"]) + len(section["seeds"])
+        assert len(tuned) == len(section["methods"]) * runs
         assert all(j.task == "markov_shift" and not j.save_weights for j in tuned)
     tuned = [p for p, j in jobs.items() if j.init]
-    assert all(p.endswith("-finetune.json") for p in tuned)
+    assert all("-finetune" in p for p in tuned)
     # a pre-training run never shares a process with the jobs that wait for its weights
     for paths in plan.groups(jobs, "quick").values():
         assert len({(jobs[p].save_weights, jobs[p].init is not None) for p in paths}) == 1
