@@ -12,6 +12,11 @@ it changes; the defaults are plain AdamW training with optional gradient accumul
   (fold gradients during backward, run a planned graph).
 - `state_tensors(optimizer)`: the persistent optimizer state, counted as `optimizer`
   memory. Default: every tensor in `optimizer.state`.
+- `loss(model, batch)`: the batch's training loss. Default: the mean cross-entropy of the
+  model's logits (`logits_loss`). A method that computes it otherwise (chunked_ce, which
+  never makes the whole logits) overrides it and, in `transform_model`, calls
+  `use_loss(model, self.loss)`: `lm_loss`, the loss of every step whoever owns the step
+  (`accumulate`, LOMO's, ...), then computes it.
 - `paper`: the citation (authors, title, venue, year, arXiv id); required.
 - `incompatible`: names of methods it cannot be stacked with.
 - `simulates`: False if the step needs tensor values (bitsandbytes reads one), so it
@@ -51,8 +56,8 @@ in `bench.hooks`; a method imports the contract (this module, `bench.hooks`,
 `bench.job`) and nothing else of `bench`.
 
 Methods stack with `+` (`checkpointing+grad_accum`): model transforms apply left to
-right; at most one member may provide the optimizer and at most one the step; their
-hyperparameters merge and must not disagree; each member's declarations hold.
+right; at most one member may provide the optimizer, at most one the step and at most one
+the loss; their hyperparameters merge and must not disagree; each member's declarations hold.
 """
 from __future__ import annotations
 
@@ -113,10 +118,32 @@ class Method:
         return [v for state in optimizer.state.values() for v in state.values()
                 if isinstance(v, torch.Tensor)]
 
+    def loss(self, model, batch: dict) -> torch.Tensor:
+        return logits_loss(model, batch)
+
+
+# The attribute of a model that holds the loss a method set (`use_loss`).
+LOSS_ATTRIBUTE = "membench_loss"
+
+
+def use_loss(model: torch.nn.Module, loss) -> None:
+    """Make `loss(model, batch)` the loss `lm_loss` computes for `model` (a method that
+    overrides `Method.loss` calls this in `transform_model`). A wrapper that forwards
+    attributes to the model it wraps (peft's) keeps it."""
+    setattr(model, LOSS_ATTRIBUTE, loss)
+
 
 def lm_loss(model, batch: dict) -> torch.Tensor:
-    """Mean cross-entropy over the labelled positions, in the logits' precision (half
-    precisions are upcast to float32, as Hugging Face does)."""
+    """The training loss of `batch`: the loss a method set on the model (`use_loss`), else
+    `logits_loss`."""
+    loss = getattr(model, LOSS_ATTRIBUTE, None)
+    return (loss or logits_loss)(model, batch)
+
+
+def logits_loss(model, batch: dict) -> torch.Tensor:
+    """Mean cross-entropy over the labelled positions (labels aligned with the inputs,
+    -100 unlabelled), in the logits' precision (half precisions are upcast to float32, as
+    Hugging Face does)."""
     logits = model(input_ids=batch["input_ids"]).logits
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
@@ -182,7 +209,7 @@ class Stack(Method):
             if clash:
                 raise MethodError(f"{m.name} cannot be stacked with {', '.join(sorted(clash))}")
         self._owner = {}
-        for part in ("make_optimizer", "train_step", "state_tensors"):
+        for part in ("make_optimizer", "train_step", "state_tensors", "loss"):
             owners = [m for m in members if _overrides(m, part)]
             if len(owners) > 1:
                 raise MethodError(f"{' and '.join(o.name for o in owners)} both provide {part}; "
@@ -219,6 +246,9 @@ class Stack(Method):
 
     def state_tensors(self, optimizer):
         return self._owner["state_tensors"].state_tensors(optimizer)
+
+    def loss(self, model, batch):
+        return self._owner["loss"].loss(model, batch)
 
 
 def member_names(spec: str) -> list[str]:

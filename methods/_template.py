@@ -57,5 +57,9 @@ class MyMethod(Method):
     # Persistent optimizer state kept outside `optimizer.state`, if any.
     # def state_tensors(self, optimizer): ...
 
+    # Compute the loss otherwise (chunked_ce); transform_model then calls
+    # bench.method.use_loss(model, self.loss), so every step's loss (lm_loss) is this one.
+    # def loss(self, model, batch): ...
+
 
 METHOD = MyMethod
