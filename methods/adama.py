@@ -39,7 +39,7 @@ so: their declared `choices` are the one value that works.
 `state_dtype` keeps m and v in the parameter's dtype (`param`, default, as torch's Adam
 does), float32, bfloat16, or 8-bit blocks (`int8`: block-wise absmax-quantised m, and
 sqrt(v) on a block-wise logarithmic 8-bit code): the optimizer-state reduction the paper
-combines AdamA with.
+combines AdamA with; the quantiser is methods/_common/quant8.py's (`linear` and `log`).
 """
 from __future__ import annotations
 
@@ -48,56 +48,10 @@ import math
 import torch
 
 from bench.method import Method, MethodError, accumulate
+from methods._common.quant8 import BLOCK, LOG_RANGE, LOG_STEP, Quantized8bit  # noqa: F401 (tests use them)
 from methods._common.release import GradientRelease
 
 STATE_DTYPES = ("param", "float32", "bfloat16", "int8")
-BLOCK = 256  # elements per quantisation block
-LOG_RANGE = 1e-6  # smallest non-zero code of the log mapping, relative to the block's max
-LOG_STEP = LOG_RANGE ** (-1 / 254) - 1  # relative spacing of neighbouring log codes
-
-
-class Quantized8bit:
-    """A tensor kept as 8-bit codes and one float32 scale per block of `BLOCK` elements.
-
-    `linear` (signed values, for m): int8 codes in [-127, 127], scale = absmax / 127;
-    round-trip error <= scale / 2.
-    `log` (non-negative values, for sqrt(v)): uint8 codes; 0 is zero, code c > 0 is
-    scale * LOG_RANGE ** ((255 - c) / 254) with scale = the block's max, so the relative
-    error is <= LOG_STEP / 2 (2.8%) for values above scale * LOG_RANGE. A linear code
-    would round small sqrt(v) to 0 and blow the update m / sqrt(v) up.
-    """
-
-    def __init__(self, shape: torch.Size, device, mapping: str):
-        self.shape, self.mapping = shape, mapping
-        numel = math.prod(shape)
-        blocks = -(-numel // BLOCK)
-        dtype = torch.int8 if mapping == "linear" else torch.uint8
-        self.codes = torch.zeros(blocks * BLOCK, dtype=dtype, device=device)
-        self.scale = torch.zeros(blocks, 1, dtype=torch.float32, device=device)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.scale]
-
-    def decode(self) -> torch.Tensor:
-        codes = self.codes.view(self.scale.shape[0], BLOCK).float()
-        if self.mapping == "linear":
-            x = codes * self.scale
-        else:
-            x = torch.where(codes > 0, self.scale * LOG_RANGE ** ((255 - codes) / 254), 0.0)
-        return x.flatten()[: math.prod(self.shape)].view(self.shape)
-
-    def encode(self, x: torch.Tensor) -> None:
-        flat = x.detach().float().flatten()
-        blocks = torch.nn.functional.pad(flat, (0, self.codes.numel() - flat.numel())).view(-1, BLOCK)
-        top = blocks.abs().amax(dim=1, keepdim=True)
-        self.scale.copy_(torch.where(top > 0, top / 127 if self.mapping == "linear" else top, 1.0))
-        if self.mapping == "linear":
-            codes = (blocks / self.scale).round_().clamp_(-127, 127)
-        else:
-            ratio = blocks / self.scale
-            codes = (255 + 254 * ratio.clamp_min(LOG_RANGE).log() / math.log(1 / LOG_RANGE)).round_()
-            codes = torch.where(ratio < LOG_RANGE / 2, 0.0, codes.clamp_(1, 255))
-        self.codes.copy_(codes.flatten())
 
 
 class AdamAOptimizer(torch.optim.Optimizer):
