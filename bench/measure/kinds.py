@@ -134,7 +134,7 @@ def throughput_panel(entries: list[tuple[Job, Method]]) -> list[dict | Exception
     n_params, park = [], False
     for j, m, name in [*((j, m, j.method) for j, m in entries), (job, baseline, job.baseline)]:
         try:  # same seed: the same initial weights and batch on every side
-            side, n = _side(j, m, name, cuda)
+            side, n = _side(j, m, name)
             if cuda and not built:  # after the first side's warm-up
                 park = timing.must_park(job.device)
             if park:  # one side on the GPU at a time: the others wait in host memory
@@ -151,8 +151,10 @@ def throughput_panel(entries: list[tuple[Job, Method]]) -> list[dict | Exception
     rounds = job.rounds
     tag = f"[throughput {job.model}: {len(sides)} method{'s' if len(sides) > 1 else ''} beside {job.baseline}]"
     every = max(1, rounds // 4)
+    # the rounds in segments, each on a fresh memory layout: the interval covers what
+    # changes between runs of the job, not only between neighbouring rounds
     timing.interleave(sides, base, rounds, max(1, job.steps // rounds), seed=job.seed, sync=sync,
-                      park_to="cpu" if park else None, home=job.device,
+                      park_to="cpu" if park else None, home=job.device, segments=timing.SEGMENTS,
                       check=lambda loss, r: checked(loss, job.warmup_steps + r),
                       progress=lambda r: (r + 1) % every == 0 and print(
                           f"{tag} round {r + 1}/{rounds}", file=sys.stderr, flush=True))
@@ -169,7 +171,7 @@ def throughput_panel(entries: list[tuple[Job, Method]]) -> list[dict | Exception
     return out
 
 
-def _side(job: Job, method: Method, name: str, cuda: bool) -> tuple[timing.Side, tuple[int, int]]:
+def _side(job: Job, method: Method, name: str) -> tuple[timing.Side, tuple[int, int]]:
     """A method's model, optimizer and batch, warmed up, as one side of a timed pair."""
     model, stream = step.setup(job, method)
     optimizer = method.make_optimizer(model)
@@ -182,7 +184,7 @@ def _side(job: Job, method: Method, name: str, cuda: bool) -> tuple[timing.Side,
         return ([*model.parameters(), *model.buffers(), *method.state_tensors(optimizer)]
                 + [p.grad for p in model.parameters() if p.grad is not None])
 
-    side = timing.Side(name, one_step, tensors if cuda else None)
+    side = timing.Side(name, one_step, tensors)  # tensors: to park it (CUDA), to relay it out
     for i in range(job.warmup_steps):
         checked(side.step(), i)
     return side, (models.n_params(model), trainable_params(model))

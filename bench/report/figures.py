@@ -266,8 +266,8 @@ def figure_throughput_relative(summary: pd.DataFrame) -> plt.Figure:
     finish(fig, f"{title} (device: {_devices_text(thr)})",
            f"Bars: tokens/s of the method / tokens/s of {BASELINE} with the same model, batch "
            f"and sequence length, both timed in the same process in interleaved rounds (dashed "
-           f"line: 1.0 = as fast as {BASELINE}). Error bars: 95% bootstrap interval of the "
-           "median of the per-round ratios. "
+           f"line: 1.0 = as fast as {BASELINE}). Error bars: 95% interval for running the "
+           "job again (over segments of rounds, plus the spread between runs: docs/speed.md). "
            "A job that did not finish shows its status in red instead of a bar.")
     return fig
 

@@ -155,8 +155,8 @@ def throughput_section(summary: pd.DataFrame) -> str:
                      r["method"], r["status"], num(r["tokens_per_s"], ",.0f"), r["baseline"],
                      ratio, num(r["step_median_s"] * 1e3)])
     return ("Ratio = tokens/s of the method / tokens/s of its baseline, both timed in the same "
-            "process, in interleaved rounds on the same batches (above 1: faster); the median over "
-            "rounds, with its 95% bootstrap interval. Measured on the device named in the "
+            "process, in interleaved rounds on the same batches (above 1: faster), with its 95% interval "
+            "for running the job again (docs/speed.md). Measured on the device named in the "
             "row; compare ratios, not tokens/s, across machines.\n\n"
             + markdown_table(rows, THROUGHPUT_HEADER, "lrrllllrrr"))
 

@@ -164,7 +164,7 @@ def throughput_table(summary: pd.DataFrame) -> pd.DataFrame:
     """One row per (throughput cell, method): tokens/s and step-time quartiles (mean over
     ok seeds), and the paired ratio to the job's baseline (the method's tokens/s over the
     baseline's, timed side by side in the same process: bench.measure.timing) with its 95%
-    bootstrap interval (`ratio_lo`..`ratio_hi`). `has_baseline` is False where no ok
+    interval (`ratio_lo`..`ratio_hi`, docs/speed.md). `has_baseline` is False where no ok
     job gave a paired ratio."""
     thr = summary[summary["kind"] == "throughput"]
     cols = THROUGHPUT_CELL + ["method", "baseline", "micro_batches", "status", "message", "n_jobs",

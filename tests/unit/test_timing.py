@@ -158,3 +158,58 @@ def test_many_times_a_group_of_throughput_jobs_as_one_panel(tmp_path):
     # two methods, one baseline block per round between them: both ratios use it
     assert a["baseline_round_step_times_s"] == g["baseline_round_step_times_s"]
     assert "memory" in records[2] and "one panel" in done.stderr
+
+
+def test_a_relayout_moves_every_tensor_to_fresh_memory_and_keeps_the_rest():
+    import torch
+
+    weight = torch.nn.Parameter(torch.randn(64, 32))
+    state = torch.randn(64, 32)
+    flat = torch.zeros(100)
+    view = flat[10:20]  # a view: moving it would cut it off its base
+    alias = torch.empty(0).set_(state.untyped_storage(), 0, (64 * 32,))  # shares state's storage
+    tensors = [weight, weight, state, view, alias, torch.zeros(0)]
+    side = timing.Side("s", lambda: None, lambda: tensors)
+    before = {id(t): (t.data_ptr(), t.clone()) for t in tensors}
+    assert side.relayout(random.Random(0)) == 1  # weight (listed twice: once); state shares its storage
+    assert weight.data_ptr() != before[id(weight)][0] and torch.equal(weight, before[id(weight)][1])
+    assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad
+    for t in (state, view, alias):
+        assert t.data_ptr() == before[id(t)][0]
+    assert view._base is flat
+
+
+def test_segments_relay_out_every_side_between_them_and_leave_the_order_alone():
+    import torch
+
+    def run(segments):
+        calls = []
+        sides = []
+        for name in "abB":
+            w = torch.zeros(1000)
+            side = timing.Side(name, lambda name=name, w=w: calls.append((name, w.data_ptr())), lambda w=w: [w])
+            sides.append(side)
+        timing.interleave(sides[:2], sides[2], rounds=12, steps_per_round=1, seed=5, segments=segments)
+        return calls, sides
+
+    plain, _ = run(1)
+    calls, (a, b, base) = run(4)
+    assert [c[0] for c in calls] == [c[0] for c in plain]  # the rounds' orders do not depend on segments
+    assert a.segments == b.segments == timing.segment_bounds(12, 4) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    for name in "abB":  # one address per segment (3 rounds each): every side moved 3 times
+        ptrs = [p for n, p in calls if n == name]
+        first = [ptrs[i] for i in range(0, len(ptrs), len(ptrs) // 4)]
+        assert all(p == first[k] for k in range(4) for p in ptrs[k * len(ptrs) // 4:(k + 1) * len(ptrs) // 4])
+        assert len(set(first)) > 1
+
+
+def test_the_summary_takes_its_interval_over_the_segments():
+    a, b = timing.Side("a", lambda: None), timing.Side("b", lambda: None)
+    a.times, a.base_times = [1.0, 1.1, 0.9, 1.0, 1.2, 0.8], [2.0, 2.1, 1.9, 2.2, 2.0, 1.8]
+    a.segments = [0, 0, 1, 1, 2, 2]
+    t = timing.summary(a, b, tokens_per_step=64)
+    ratios = [tb / ta for ta, tb in zip(a.times, a.base_times)]
+    assert (t["throughput_ratio"], t["throughput_ratio_lo"], t["throughput_ratio_hi"]) == \
+        timing.segment_interval(ratios, a.segments)
+    assert t["segments"] == 3 and t["round_segments"] == a.segments
+    assert t["throughput_ratio_lo"] < t["throughput_ratio"] < t["throughput_ratio_hi"]
