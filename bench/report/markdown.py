@@ -210,11 +210,14 @@ def tuning_section(summary: pd.DataFrame) -> str:
         tried = ", ".join(f"{r.lr:g}: " + (f"{r.final_loss_mean:.3f}" if pd.notna(r.final_loss_mean) else r.status)
                           for r in g.sort_values("lr").itertuples())
         best = g[g["chosen"]]
+        edge = len(g) > 2 and len(best) and best["lr"].iloc[0] in (g["lr"].min(), g["lr"].max())
         rows.append([task_label(task, phase), model, method, tried,
-                     f"{best['lr'].iloc[0]:g}" if len(best) else "none (every rate failed)"])
+                     (f"{best['lr'].iloc[0]:g}" + (" (the grid's edge)" if edge else "")) if len(best)
+                     else "none (every rate failed)"])
     return ("\n\n**Tuning.** Every method, the baseline included, ran the same number of learning "
             "rates, log-spaced around its own default, on tuning seeds of their own; the rate with the "
-            f"lowest mean final loss (none of its runs failed) is chosen ({RULE}).\n\n"
+            f"lowest mean final loss (none of its runs failed) is chosen ({RULE}). A rate chosen at the "
+            "grid's edge says the best may lie beyond it: a wider grid is the next run.\n\n"
             + markdown_table(rows, TUNING_HEADER, "lllll"))
 
 
