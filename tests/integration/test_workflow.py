@@ -77,7 +77,7 @@ def test_smoke_suite_end_to_end(smoke_run):
     assert runs(job_counts(rerun.stdout)) == 2 and "finetune" in rerun.stdout
 
     # a deleted result reruns its group (the jobs that share its process), nothing else
-    victim = next((results / "runs" / "smoke" / "convergence").rglob("*seed1.json"))
+    victim = next((results / "runs" / "smoke" / "convergence").rglob("*seed1-tuned.json"))
     kept = victim.read_bytes()
     victim.unlink()
     rerun = snakemake(workflow_copy, "-n", *SMOKE)
