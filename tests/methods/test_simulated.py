@@ -35,10 +35,19 @@ def test_simulated_equals_tracked(tiny_job, model, method):
         assert f["peak_bytes"] == r["peak_bytes"]
 
 
+# Packages that allocate a small tensor once per process, in the first step that needs it
+# (galore-torch: 128 bytes of `other` in its first real run, none in later ones, none on
+# fake tensors): their real run is measured after one run that pays it, so the test does
+# not depend on which tests ran before it in the process.
+FIRST_USE = {"galore_torch"}
+
+
 @pytest.mark.parametrize("method", [m for m in available() if m not in BASELINES])
 def test_every_method_simulates_as_it_runs(tiny_job, method):
     """Byte for byte as its real run, or, where the method declares `simulates = False`,
     the clear message: the declaration is checked against what happens, both ways."""
+    if method in FIRST_USE:  # its one-time allocation lands in the first run of a process
+        runner.run(tiny_job(method=method))
     real = runner.run(tiny_job(method=method))
     fake = runner.run(tiny_job(method=method, simulate=True))
     assert real["status"] == "ok", real.get("message")
