@@ -166,7 +166,7 @@ def throughput_panel(entries: list[tuple[Job, Method]]) -> list[dict | Exception
             out.append(side if isinstance(side, Exception) else side.error)
             continue
         out.append({"n_params": n[0], "trainable_params": n[1],
-                    "throughput": {**timing.summary(side, base, j.batch_size * j.seq_len, j.seed),
+                    "throughput": {**timing.summary(side, base, j.batch_size * j.seq_len, j.seed, j.between_runs_sd),
                                    "parked": park, "panel_size": len(entries)}})
     return out
 

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bench.job import JOB_DEFAULTS
+
 BOOTSTRAP_SAMPLES = 2000
 # Segments a job's rounds are split into (each on a fresh memory layout; the interval is t
 # over them): more segments give t more degrees of freedom, hence a narrower interval for
@@ -52,10 +54,10 @@ SEGMENTS = 8
 SPACER_BYTES = 2 * 2**20
 # The spread between runs of a job that no run sees from inside (sd of the log ratio), added
 # to the interval: on a shared 2-core CPU the load other processes put on the machine changes
-# the ratio itself, and stays for longer than a job runs. Measured there with
-# scripts/throughput_repeats.py (6 repeats of 3 paired jobs, each in its own process: the
-# spread of the runs' ratios beyond what their segments predict); docs/speed.md.
-BETWEEN_RUNS_SD = 0.045
+# the ratio itself, and stays for longer than a job runs. Its default is the job field's
+# (config/schema.yaml `between_runs_sd`, measured there with scripts/throughput_repeats.py:
+# 6 repeats of 3 paired jobs, each in its own process; docs/speed.md).
+BETWEEN_RUNS_SD = JOB_DEFAULTS["between_runs_sd"]
 
 
 def bootstrap_median(ratios: list[float], seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
@@ -259,13 +261,14 @@ def interleave(methods: list[Side], baseline: Side, rounds: int, steps_per_round
             progress(r)
 
 
-def summary(a: Side, b: Side, tokens_per_step: int, seed: int = 0) -> dict:
+def summary(a: Side, b: Side, tokens_per_step: int, seed: int = 0,
+            between_runs: float = BETWEEN_RUNS_SD) -> dict:
     """The paired result of method `a` beside baseline `b`: the ratio and its interval over
-    segments of rounds (a's block against its adjacent baseline block: `segment_interval`),
-    each side's median tokens/s."""
+    segments of rounds (a's block against its adjacent baseline block: `segment_interval`,
+    with `between_runs` added), each side's median tokens/s."""
     ratios = [tb / ta for ta, tb in zip(a.times, a.base_times)]
     segment_of = a.segments or [0] * len(ratios)
-    ratio, lo, hi = segment_interval(ratios, segment_of, seed=seed)
+    ratio, lo, hi = segment_interval(ratios, segment_of, seed=seed, between_runs=between_runs)
     qa = statistics.quantiles(a.times, n=4) if len(a.times) > 1 else [a.times[0]] * 3
     return {"tokens_per_s": tokens_per_step / statistics.median(a.times),
             "baseline": b.name,
@@ -275,5 +278,5 @@ def summary(a: Side, b: Side, tokens_per_step: int, seed: int = 0) -> dict:
             "step_time_q3_s": qa[2], "round_step_times_s": a.times,
             "baseline_round_step_times_s": a.base_times, "round_ratios": ratios,
             "round_segments": segment_of, "segments": len(set(segment_of)),
-            "between_runs_sd": BETWEEN_RUNS_SD,
+            "between_runs_sd": between_runs,
             "tokens_per_step": tokens_per_step}

@@ -60,6 +60,17 @@ def test_throughput_and_convergence_records(tiny_job):
     assert t["tokens_per_s"] == pytest.approx(4 * 32 / t["step_time_median_s"])
     assert t["baseline_tokens_per_s"] == pytest.approx(4 * 32 / (sum(b) / 2))
     assert t["throughput_ratio_lo"] <= t["throughput_ratio"] <= t["throughput_ratio_hi"]
+    # the job's between-runs spread is the one its interval adds (docs/speed.md)
+    from bench.measure import timing
+    assert t["between_runs_sd"] == 0.045
+    for b_sd in (0.0, 0.2):
+        expected = timing.segment_interval(t["round_ratios"], t["round_segments"], between_runs=b_sd)
+        assert timing.summary(timing.Side("m", None, times=a, base_times=b, segments=t["round_segments"]),
+                              timing.Side("adamw", None), 4 * 32, between_runs=b_sd)["throughput_ratio_hi"] \
+            == expected[2]
+    quiet = runner.run(tiny_job(kind="throughput", method="grad_accum", steps=4, rounds=2, warmup_steps=1,
+                                between_runs_sd=0.0))
+    assert quiet["throughput"]["between_runs_sd"] == 0.0
 
     conv = runner.run(tiny_job(kind="convergence", steps=5))
     assert conv["status"] == "ok", conv.get("message")
