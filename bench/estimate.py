@@ -25,6 +25,16 @@ that of the bandwidth-bound ones, N the operator count; e_compute and e_memory a
 fractions of the spec-sheet rates reached, launch_s the per-operator overhead.
 `estimate(..., efficiency=fit)` then gives C / e_compute + M / e_memory + N x launch_s.
 
+Host transfers (offloading; `transfer_bytes` of a memory result, both directions): they
+take `transfer_bytes / host_link` seconds (`transfer_seconds`, estimated, uncalibrated),
+each byte at one direction's rate of the GPU's host link (`GPU.host_link_gbs`; the two
+directions are not assumed to run at once). How they meet the compute is bounded by two
+assumptions, both given (`estimate_row`): no overlap, the step takes compute + transfer
+(`_step_time_serial_s`; copies on the compute stream, as `bench.hooks` issues them); full
+overlap, max(compute, transfer) (`_step_time_overlap_s`; torchtune's and torchao's side
+streams at best). An offloaded optimizer's host step is counted as GPU operators by the
+cost (its time on the host CPU is not modelled).
+
 Known blind spots (say them wherever an estimate is shown): no overlap of operators (CUDA
 streams, NCCL), no fusion (torch.compile, fused optimizers count as their aten ops, a
 foreach op as one launch), the same efficiency for every matmul shape (small matmuls reach
@@ -56,6 +66,7 @@ class GPU:
     tflops: dict  # dtype class -> dense peak TFLOP/s ("bf16", "fp16", "tf32", "fp32", "fp64")
     bandwidth_gbs: float  # memory bandwidth, GB/s (10^9 bytes per second)
     source: str
+    host_link_gbs: float  # host <-> GPU link, GB/s per direction
     notes: str = ""
     launch_s: float = LAUNCH_S
 
@@ -67,25 +78,31 @@ GPUS = {
         {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67, "fp64": 34}, 3350,
         "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column): BF16/FP16 tensor core "
         "1,979 TFLOPS and TF32 989 TFLOPS with sparsity, halved for dense; FP32 67, "
-        "FP64 34 TFLOPS; HBM3 3.35 TB/s"),
+        "FP64 34 TFLOPS; HBM3 3.35 TB/s; PCIe Gen5 128 GB/s (both directions: 64 GB/s each, x16)",
+        host_link_gbs=64),
     "a100-sxm-80gb": GPU(
         "NVIDIA A100 SXM 80GB", 80,
         {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5, "fp64": 9.7}, 2039,
         "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column): BF16/FP16 tensor core "
         "312 TFLOPS, TF32 156 TFLOPS (dense; 624 / 312 with sparsity), FP32 19.5, "
-        "FP64 9.7 TFLOPS; HBM2e 2,039 GB/s"),
+        "FP64 9.7 TFLOPS; HBM2e 2,039 GB/s; PCIe Gen4 64 GB/s (both directions: 32 GB/s each, x16)",
+        host_link_gbs=32),
     "rtx4090-24gb": GPU(
         "NVIDIA GeForce RTX 4090 24GB", 24,
         {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6, "fp64": 1.29}, 1008,
         "NVIDIA Ada Lovelace GPU architecture whitepaper, appendix table for the RTX 4090: "
         "FP16/BF16 tensor TFLOPS with FP32 accumulate 165.2 dense (330.4 sparse), TF32 "
-        "82.6 dense, FP32 82.6 TFLOPS (FP64 1/64 of it); GDDR6X 1,008 GB/s",
+        "82.6 dense, FP32 82.6 TFLOPS (FP64 1/64 of it); GDDR6X 1,008 GB/s; PCIe Gen4 x16 (PCI-SIG: "
+        "16 GT/s a lane, about 32 GB/s per direction)",
+        host_link_gbs=32,
         notes="GeForce: half-rate FP16/BF16 tensor math with the FP32 accumulate PyTorch uses"),
     "v100-sxm2-16gb": GPU(
         "NVIDIA V100 SXM2 16GB", 16,
         {"fp16": 125, "fp32": 15.7, "fp64": 7.8}, 900,
         "NVIDIA Tesla V100 datasheet (V100 SXM2 column; dense, Volta has no sparsity): tensor performance 125 TFLOPS "
-        "(FP16), single precision 15.7, double precision 7.8 TFLOPS; HBM2 900 GB/s",
+        "(FP16), single precision 15.7, double precision 7.8 TFLOPS; HBM2 900 GB/s; PCIe Gen3 32 GB/s (both "
+        "directions: 16 GB/s each)",
+        host_link_gbs=16,
         notes="no BF16 or TF32 tensor cores: bf16 and tf32 matmuls at the FP32 rate (assumed)"),
 }
 
@@ -174,16 +191,30 @@ def load_calibration(path: str | Path = REFERENCE) -> dict:
     return json.loads(path.read_text()).get("gpus", {}) if path.exists() else {}
 
 
+def transfer_seconds(transfer_bytes: int, gpu: GPU | str) -> float:
+    """Seconds the host link takes for `transfer_bytes` (both directions together, each
+    byte at one direction's rate); estimated, uncalibrated."""
+    gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
+    return transfer_bytes / (gpu.host_link_gbs * 1e9)
+
+
 def estimate_row(cost: dict | None, tokens: int, gpu: str = DEFAULT_GPU,
-                 calibration: dict | None = None, prefix: str = "est") -> dict:
+                 calibration: dict | None = None, prefix: str = "est",
+                 transfer_bytes: int | None = None) -> dict:
     """`<prefix>_step_time_s`, `<prefix>_tokens_per_s` and `<prefix>_calibrated` (whether
-    `calibration` had `gpu`) of a step of `tokens` tokens with this cost on `gpu`."""
+    `calibration` had `gpu`) of a step of `tokens` tokens with this cost on `gpu`; with
+    `transfer_bytes` (host <-> device per step), `<prefix>_transfer_s` and the step's two
+    bounds: `<prefix>_step_time_serial_s` (no overlap: added) and
+    `<prefix>_step_time_overlap_s` (full overlap: the larger of the two)."""
     keys = [f"{prefix}_step_time_s", f"{prefix}_tokens_per_s", f"{prefix}_calibrated"]
+    transfer_keys = [f"{prefix}_transfer_s", f"{prefix}_step_time_serial_s", f"{prefix}_step_time_overlap_s"]
     if not cost or not cost.get("per_op") or not tokens:
-        return dict.fromkeys(keys)
+        return dict.fromkeys(keys + transfer_keys)
     fit = (calibration or {}).get(gpu)
     seconds = estimate(cost["per_op"], gpu, _usable(fit) if fit else None)
-    return dict(zip(keys, (seconds, tokens / seconds, bool(fit))))
+    moved = transfer_seconds(transfer_bytes, gpu) if transfer_bytes is not None else None
+    bounds = (moved, seconds + moved, max(seconds, moved)) if moved is not None else (None,) * 3
+    return dict(zip(keys + transfer_keys, (seconds, tokens / seconds, bool(fit), *bounds)))
 
 
 # -- calibration from result files ---------------------------------------------------------

@@ -44,8 +44,8 @@ GiB = 2**30
 # the papers' size on a GPU, so bfloat16 (how such models train; a CPU job's is float32),
 # a step of 8 x 512 tokens, the four usual GPU sizes, and a search up to batch 4096 (a
 # suite's capacity search stops at 1024; a 24-80 GiB GPU fits more sequences of a small model).
-FIT_DEFAULTS = dict(batch_size=8, seq_len=512, dtype="bfloat16", memory_gb=[16, 24, 40, 80],
-                    max_batch=4096, attn_implementation="sdpa", seed=0)
+FIT_DEFAULTS = dict(batch_size=8, seq_len=512, dtype="bfloat16", precision="pure",
+                    memory_gb=[16, 24, 40, 80], max_batch=4096, attn_implementation="sdpa", seed=0)
 
 
 class FitError(Exception):
@@ -94,7 +94,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=number(int, least["seq_len"]), default=d["seq_len"],
                    help="tokens per sequence (default %(default)s)")
     p.add_argument("--dtype", default=d["dtype"], choices=DTYPE_NAMES,
-                   help="parameter dtype (default %(default)s)")
+                   help="pure precision: the dtype of parameters, gradients, optimizer state and "
+                        "compute; mixed: the compute dtype under autocast (default %(default)s)")
+    p.add_argument("--precision", default=d["precision"], choices=PROPERTIES["precision"]["enum"],
+                   help="pure: everything in --dtype; mixed: float32 parameters (the master copy), "
+                        "gradients and optimizer state, the forward under autocast in --dtype "
+                        "(bfloat16 or float16) (default %(default)s)")
     p.add_argument("--memory-gb", type=number(float, 0, above=True), nargs="+",
                    default=d["memory_gb"], metavar="GB",
                    help="GPU memory sizes in GiB (default " + " ".join(map(str, d["memory_gb"])) + ")")
@@ -153,7 +158,7 @@ def _line(e: BaseException) -> str:
 def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq_len: int,
            dtype: str, max_batch: int, seed: int = FIT_DEFAULTS["seed"],
            attn_implementation: str = FIT_DEFAULTS["attn_implementation"],
-           label: str | None = None) -> list[dict]:
+           label: str | None = None, precision: str = FIT_DEFAULTS["precision"]) -> list[dict]:
     """One row per memory size for `method`: the simulated step at `batch_size` (its peak by
     category, the GPU need), whether it fits, and the largest batch that fits."""
     from bench.measure import allocator, capacity
@@ -162,9 +167,10 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
     label = label or method
     started = time.perf_counter()
     job = Job(kind="memory", method=method, model=model, batch_size=batch_size, seq_len=seq_len,
-              dtype=dtype, seed=seed, attn_implementation=attn_implementation, simulate=True)
+              dtype=dtype, precision=precision, seed=seed, attn_implementation=attn_implementation,
+              simulate=True)
     base = {"model": model, "method": method, "batch_size": batch_size, "seq_len": seq_len,
-            "dtype": dtype, "n_params": None, "status": "ok", "message": None, "fits": False,
+            "dtype": dtype, "precision": precision, "n_params": None, "status": "ok", "message": None, "fits": False,
             "predicted_gpu_bytes": None, "largest_batch": None}
 
     def failed(message: str) -> list[dict]:
@@ -252,13 +258,21 @@ def smallest_gpu(trace: list, memory: dict, resolution: int = 2**26) -> int:
 def run(model: str, methods: list[str], memory_gb: list[float], batch_size: int, seq_len: int,
         dtype: str = FIT_DEFAULTS["dtype"], max_batch: int = FIT_DEFAULTS["max_batch"],
         seed: int = FIT_DEFAULTS["seed"],
-        attn_implementation: str = FIT_DEFAULTS["attn_implementation"]) -> list[dict]:
-    """Every method's rows (see `answer`); FitError when the model cannot be built."""
+        attn_implementation: str = FIT_DEFAULTS["attn_implementation"],
+        precision: str = FIT_DEFAULTS["precision"]) -> list[dict]:
+    """Every method's rows (see `answer`); FitError when the model cannot be built or the
+    dtype and precision cannot go together."""
+    from bench.measure.step import precision_error
+
+    problem = precision_error(dtype, precision)
+    if problem:
+        raise FitError(problem)
     check_model(model, seq_len, attn_implementation)
     rows = []
     for i, method in enumerate(methods, 1):
         rows += answer(model, method, memory_gb, batch_size, seq_len, dtype, max_batch, seed,
-                       attn_implementation, label=f"[{i}/{len(methods)}] {method}:")
+                       attn_implementation, label=f"[{i}/{len(methods)}] {method}:",
+                       precision=precision)
     return rows
 
 
@@ -277,7 +291,7 @@ def table(rows: list[dict]) -> str:
     lines = [f"{first['model']}" + (f": {n / 1e9:.2f} B parameters" if n and n >= 1e9 else
                                      f": {n / 1e6:.2f} M parameters" if n else ""),
              f"training step at batch {first['batch_size']} x {first['seq_len']} tokens, "
-             f"{first['dtype']}, simulated on fake tensors; GPU need = the caching-allocator "
+             f"{precision_text(first)}, simulated on fake tensors; GPU need = the caching-allocator "
              f"model's peak reserve + {size(CUDA_CONTEXT_BYTES)} {name} CUDA context; sizes in {name}"]
     head = ("method", "param", "grad", "optim", "activ", "other", "peak", "GPU need", "fits",
             "largest batch")
@@ -304,12 +318,30 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def precision_text(row: dict) -> str:
+    """What the table says of a row's precision: `bfloat16`, or `mixed precision (float32
+    parameters, gradients and optimizer state; float16 compute under autocast)`; float16
+    adds its loss scaling."""
+    dtype, precision = row["dtype"], row.get("precision", "pure")
+    text = (dtype if precision == "pure" else
+            f"mixed precision (float32 parameters, gradients and optimizer state; {dtype} "
+            f"compute under autocast)")
+    if dtype == "float16":
+        text += " with dynamic loss scaling where the method's step scales (loss_scaling)"
+    return text
+
+
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)  # each number's bounds: an argparse error naming the flag, exit 2
     if args.max_batch < args.batch_size:
         p.error(f"argument --max-batch: must be at least --batch-size ({args.batch_size}), "
                 f"not {args.max_batch}")
+    from bench.measure.step import precision_error
+
+    problem = precision_error(args.dtype, args.precision)
+    if problem:
+        p.error(f"argument --precision: {problem}")
     from bench.method import available, member_names
 
     methods = args.methods or simulable_methods()
@@ -321,7 +353,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     try:
         rows = run(args.model, methods, args.memory_gb, args.batch_size, args.seq_len,
-                   args.dtype, args.max_batch, args.seed, args.attn_implementation)
+                   args.dtype, args.max_batch, args.seed, args.attn_implementation, args.precision)
     except FitError as e:
         print(f"membench fit: error: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,9 @@ it changes; the defaults are plain AdamW training with optional gradient accumul
 - `train_step(model, optimizer, batch)`: one optimizer step over `micro_batches`
   micro-batches; returns the mean loss as a detached tensor. Override to own the step
   (fold gradients during backward, run a planned graph).
+- `loss_scaling`: whether the step scales a float16 loss (see Precision below). The
+  default step does (True); a method that overrides `train_step` states it in its own
+  class (a contract test checks that it does).
 - `state_tensors(optimizer)`: the persistent optimizer state, counted as `optimizer`
   memory. Default: every tensor in `optimizer.state`.
 - `loss(model, batch)`: the batch's training loss. Default: the mean cross-entropy of the
@@ -58,6 +61,31 @@ in `bench.hooks`; a method imports the contract (this module, `bench.hooks`,
 Methods stack with `+` (`checkpointing+grad_accum`): model transforms apply left to
 right; at most one member may provide the optimizer, at most one the step and at most one
 the loss; their hyperparameters merge and must not disagree; each member's declarations hold.
+
+Precision (the job's `dtype` and `precision`; `bench.measure.step.setup` builds the model
+and attaches a `Precision` to it, `precision_of(model)` reads it back):
+
+- pure: parameters, gradients, optimizer state and compute in `dtype`.
+- mixed: parameters (the master copy), gradients and optimizer state in float32; the
+  forward and the loss run under `torch.autocast(device_type, dtype)` (bfloat16 or
+  float16), as trainers (accelerate, Lightning, DeepSpeed's torch_autocast) run it.
+  Where: in `lm_loss`, the one function every step computes its loss with (the default
+  `accumulate`, LOMO's, the layer-wise GaLore's, the step ROAM traces): so a method that
+  owns its step gets the same autocast without doing anything, and only the forward is
+  under it (backward outside autocast, as torch.amp recommends; backward ops run in the
+  dtypes the forward chose). Wrapping `train_step` instead would also put backward and
+  the optimizer's update under autocast.
+- float16 (pure or mixed) needs loss scaling (its gradients underflow otherwise): the
+  model's `Precision.scaler` is a `LossScaler` (dynamic, GradScaler's defaults). The
+  default step multiplies each micro-batch's loss by its scale, then `scaler.step`
+  unscales the gradients, skips the update on an inf/nan gradient (halving the scale)
+  and doubles the scale after `growth_interval` clean steps. A method whose update
+  runs inside backward (LOMO, layer-wise GaLore, AdamA) cannot unscale before it has
+  updated: it declares `loss_scaling = False` and runs float16 unscaled; a loss that goes
+  inf/nan is then a `diverged` row. The result states which (`loss_scaler`).
+  torch.amp.GradScaler is not used: its `unscale_` refuses float16 gradients (pure
+  float16), and it reads its found-inf flag with `.item()`, which fake tensors (the
+  simulated tier) cannot answer.
 """
 from __future__ import annotations
 
@@ -65,6 +93,7 @@ import importlib
 import json
 import math
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -88,6 +117,7 @@ class Method:
     ranges: dict = {}
     peer_of: str | None = None
     package: str = ""
+    loss_scaling: bool = True
 
     def __init__(self):
         self.name = _module_name(type(self).__module__)
@@ -109,8 +139,13 @@ class Method:
                     weight_decay=hp["weight_decay"])
 
     def train_step(self, model, optimizer, batch: dict) -> torch.Tensor:
-        loss = accumulate(model, batch, self.hp["micro_batches"])
-        optimizer.step()
+        scaler = precision_of(model).scaler  # float16 only
+        loss = accumulate(model, batch, self.hp["micro_batches"],
+                          loss_scale=scaler.scale if scaler else 1.0)
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return loss
 
@@ -135,9 +170,14 @@ def use_loss(model: torch.nn.Module, loss) -> None:
 
 def lm_loss(model, batch: dict) -> torch.Tensor:
     """The training loss of `batch`: the loss a method set on the model (`use_loss`), else
-    `logits_loss`."""
-    loss = getattr(model, LOSS_ATTRIBUTE, None)
-    return (loss or logits_loss)(model, batch)
+    `logits_loss`; under mixed precision, computed under autocast (the one place it is
+    entered: see the module docstring)."""
+    loss = getattr(model, LOSS_ATTRIBUTE, None) or logits_loss
+    precision = precision_of(model)
+    if not precision.mixed:
+        return loss(model, batch)
+    with torch.autocast(precision.device_type, dtype=precision.dtype):
+        return loss(model, batch)
 
 
 def logits_loss(model, batch: dict) -> torch.Tensor:
@@ -151,19 +191,120 @@ def logits_loss(model, batch: dict) -> torch.Tensor:
                                              ignore_index=-100)
 
 
-def accumulate(model, batch: dict, n: int, before_backward=None) -> torch.Tensor:
+def accumulate(model, batch: dict, n: int, before_backward=None,
+               loss_scale: float = 1.0) -> torch.Tensor:
     """Forward and backward over `n` equal micro-batches of `batch`, each loss scaled by
     1/n so the gradients sum to the batch's; `before_backward(i)` runs before micro-batch
-    i's backward (a method that acts inside backward sets itself up there). Returns the
-    batch's mean loss, detached. The one micro-batch loop of the suite."""
+    i's backward (a method that acts inside backward sets itself up there). Backward runs
+    on the loss times `loss_scale` (a float16 step's `LossScaler.scale`; the gradients
+    are then that many times the loss's). Returns the batch's mean loss (unscaled),
+    detached. The one micro-batch loop of the suite."""
     total = None
     for i, micro in enumerate(split_batch(batch, n)):
         loss = lm_loss(model, micro) / n
         if before_backward is not None:
             before_backward(i)
-        loss.backward()
+        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 steps, with torch.amp.GradScaler's defaults and
+    rule: the loss is multiplied by `scale` before backward; `step(optimizer)` divides the
+    gradients by it in place (torch's fused check-and-unscale kernel, per device and
+    dtype, as GradScaler does) and, if one of them holds an inf or nan, skips the update
+    and multiplies `scale` by `backoff_factor`; after `growth_interval` clean steps in a
+    row it multiplies `scale` by `growth_factor`.
+
+    Unlike GradScaler it unscales float16 gradients (pure float16 parameters) and runs on
+    fake tensors (there no value is known: every step counts as clean). What it holds
+    between steps: two Python numbers (the scale, the clean steps in a row), no tensor;
+    each step makes two 0-d float32 tensors per device (the found-inf flag and 1/scale),
+    temporaries (`other`)."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self.clean_steps = 0  # clean steps in a row since the scale last changed
+        self.skipped_steps = 0  # updates skipped over the run (an inf/nan gradient)
+
+    def unscale_(self, params) -> bool:
+        """Divide the gradients of `params` by the scale in place; whether all are finite."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        groups: dict = {}
+        for p in params:
+            if p.grad is not None:
+                groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        finite = True
+        for (device, _), grads in groups.items():
+            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+            inv_scale = torch.full((), 1.0 / self.scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            if not is_fake(found_inf) and bool(found_inf):
+                finite = False
+        return finite
+
+    def step(self, optimizer) -> bool:
+        """Unscale the gradients of `optimizer`'s parameters, update unless one is inf or
+        nan, then adjust the scale (`update`); whether it updated."""
+        finite = self.unscale_(p for group in optimizer.param_groups for p in group["params"])
+        if finite:
+            optimizer.step()
+        self.update(finite)
+        return finite
+
+    def update(self, finite: bool) -> None:
+        """The scale after a step whose gradients were (not) all finite."""
+        if not finite:
+            self.scale *= self.backoff_factor
+            self.clean_steps = 0
+            self.skipped_steps += 1
+            return
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+
+    def state(self) -> dict:
+        """What a result records of it: the scale now and the updates skipped."""
+        return {"scale": self.scale, "skipped_steps": self.skipped_steps}
+
+
+@dataclass
+class Precision:
+    """How a model trains (the job's `dtype` and `precision`): `dtype` is the compute
+    dtype (the parameters' too, unless `mixed`); `mixed` runs the loss under autocast
+    (`lm_loss`) with float32 parameters; `scaler` is the float16 loss scaler (None for
+    other dtypes)."""
+
+    dtype: torch.dtype
+    mixed: bool = False
+    device_type: str = "cpu"
+    scaler: LossScaler | None = None
+
+
+# The attribute of a model that holds its Precision (`use_precision`).
+PRECISION_ATTRIBUTE = "membench_precision"
+
+
+def use_precision(model: torch.nn.Module, precision: Precision) -> None:
+    """Attach `precision` to `model` (bench.measure.step.setup does, after the method's
+    `transform_model`); `lm_loss` and the default step read it with `precision_of`."""
+    setattr(model, PRECISION_ATTRIBUTE, precision)
+
+
+def precision_of(model) -> Precision:
+    """The model's Precision; a model built without one (a unit test's) trains pure in
+    its parameters' dtype, unscaled."""
+    precision = getattr(model, PRECISION_ATTRIBUTE, None)
+    if precision is not None:
+        return precision
+    param = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
+    return Precision(dtype=param.dtype if param is not None else torch.get_default_dtype())
 
 
 def require_package(module: str, pip_spec: str, method: str):
@@ -232,6 +373,10 @@ class Stack(Method):
     @property
     def plans_per_shape(self) -> bool:
         return any(m.plans_per_shape for m in self.members)
+
+    @property
+    def loss_scaling(self) -> bool:
+        return self._owner["train_step"].loss_scaling
 
     def transform_model(self, model):
         for m in self.members:

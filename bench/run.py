@@ -92,7 +92,13 @@ def job_from_args(args: argparse.Namespace) -> Job:
 
 
 def check_names(job: Job) -> None:
-    """A MethodError if the job's model, method, stack or options do not exist."""
+    """A MethodError if the job's model, method, stack or options do not exist, or its
+    dtype and precision cannot go together."""
+    from bench.measure.step import precision_error
+
+    problem = precision_error(job.dtype, job.precision)
+    if problem:
+        raise MethodError(problem)
     if not is_known(job.model):
         raise MethodError(f"unknown model {job.model!r}; known: {', '.join(MODELS)}, or a "
                           f"shape <family>-d<width>-l<layers>[-v<vocab>]")

@@ -128,6 +128,17 @@ def _check_method_params(params: dict, where: str) -> None:
         _load_method(method, overrides, f"{where}/{method}")
 
 
+def _check_precision(suite: dict, where: str) -> None:
+    """A ConfigError naming the key if the suite's `precision` and `dtype` cannot go
+    together (mixed precision computes in bfloat16 or float16)."""
+    from bench.measure.step import precision_error
+
+    problem = precision_error(suite.get("dtype", JOB_DEFAULTS["dtype"]),
+                              suite.get("precision", JOB_DEFAULTS["precision"]))
+    if problem:
+        raise ConfigError(f"config key {where}/precision: {problem}")
+
+
 def method_params(config: dict, suite: dict, method: str) -> dict:
     """Overrides for one method (stack members each get theirs): the top level's, then the
     suite's on top."""
@@ -162,6 +173,7 @@ def plan(config: dict) -> dict[str, Job]:
     if name not in suites:
         raise ConfigError(f"config key suite: unknown suite {name!r}; defined: {', '.join(suites)}")
     suite = suites[name]
+    _check_precision(suite, f"suites/{name}")
     methods = resolve_methods(suite["methods"], f"suites/{name}/methods")
     _check_method_params(config["method_params"], "method_params")
     _check_method_params(suite["method_params"], f"suites/{name}/method_params")

@@ -53,6 +53,9 @@ class MyMethod(Method):
     # Own the training step only if the method must (e.g. it updates during backward).
     # Must return the mean loss of the batch as a detached tensor.
     # def train_step(self, model, optimizer, batch): ...
+    # A method that owns the step states whether it scales a float16 loss (the default
+    # step does; see bench.method's module docstring, Precision):
+    # loss_scaling = False
 
     # Persistent optimizer state kept outside `optimizer.state`, if any.
     # def state_tensors(self, optimizer): ...

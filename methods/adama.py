@@ -150,6 +150,9 @@ class AdamA(Method):
              "and Gradients for Large-scale DNN Training, ECAI 2023, arXiv 2305.19982")
     defaults = dict(micro_batches=4, v_norm="mean", state_dtype="param",
                     weight_decay_mode="decoupled", max_grad_norm=None, grad_scaler=False)
+    # gradients are folded into the moments in backward, before they could be unscaled:
+    # float16 parameters are refused (make_optimizer); mixed float16 runs unscaled
+    loss_scaling = False
     # the last three admit only the value that works (the module docstring says why)
     choices = {"v_norm": ("mean", "sum_scaled"), "state_dtype": STATE_DTYPES,
                "weight_decay_mode": ("decoupled",), "max_grad_norm": (None,),

@@ -47,6 +47,7 @@ class APOLLOLayerwise(APOLLO):
              "arXiv 2412.05270 (layer-wise updates)")
     defaults = {**APOLLO.defaults, "micro_batches": 1}
     max_micro_batches = 1  # the update runs inside every backward (apollo accumulates)
+    loss_scaling = False  # each update runs in backward, before an overflow could be seen
 
     def make_optimizer(self, model):
         return LayerwiseAPOLLOAdamW(param_groups(model, self.hp), **self.adam_args)

@@ -49,6 +49,7 @@ class LayerwiseGaLoreAdamW(GaLoreAdamW):
 class GaLoreLayerwise(GaLore):
     defaults = {**GaLore.defaults, "micro_batches": 1}
     max_micro_batches = 1  # the update runs inside every backward (galore accumulates)
+    loss_scaling = False  # each update runs in backward, before an overflow could be seen
 
     def make_optimizer(self, model):
         return LayerwiseGaLoreAdamW(param_groups(model, self.hp), **self.adam_args)

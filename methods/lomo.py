@@ -125,6 +125,9 @@ class Lomo(Method):
     # needs a sweep (config). weight_decay 0 as there.
     defaults = dict(lr=3e-2, weight_decay=0.0, clip_grad_norm=None, clip_grad_value=None)
     max_micro_batches = 1  # the update runs inside every backward
+    # float16 runs unscaled: each update is applied inside backward, before an overflow
+    # could be seen (the authors' two-pass overflow check is not built); inf/nan: diverged
+    loss_scaling = False
     ranges = {"clip_grad_norm": "(0, inf)"}  # or None: no clipping
 
     def make_optimizer(self, model):

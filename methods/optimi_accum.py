@@ -16,6 +16,8 @@ class OptimiAccumulation(Method):
     defaults = dict(micro_batches=4)
     peer_of = "adama"
     package = "torch-optimi==0.3.3"
+    # gradients are folded into the optimizer in backward, before they could be unscaled
+    loss_scaling = False
 
     def make_optimizer(self, model):
         optimi = require_package("optimi", self.package, self.name)

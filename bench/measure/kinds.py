@@ -33,6 +33,7 @@ def measure(job: Job, method: Method) -> dict:
         out.update(_memory(job, method, model, stream, fake))
     else:
         out.update(_convergence(job, method, model, stream))
+    out.update(step.loss_scaler_record(model, method))  # float16: the scaling the step ran
     return out
 
 
@@ -63,7 +64,7 @@ def _memory(job: Job, method: Method, model, stream, fake=None) -> dict:
     capacity = int(job.capacity_gb * 2**30) if capped else None
     events = [] if fake is not None else None  # the allocation order, for the allocator model
     tracker = MemoryTracker(capacity_bytes=capacity, round_to=MIN_BLOCK if cuda else 1,
-                            events=events)
+                            events=events, device=job.device if fake is None else "cpu")
     raw = [step.next_batch(stream, job.device) for _ in range(2)]
     check = checked if fake is None else (lambda loss, step: None)  # a fake loss has no value
     tracker.register_model(model)
@@ -98,7 +99,8 @@ def _memory(job: Job, method: Method, model, stream, fake=None) -> dict:
     out["cost"] = cost.result()
     split = tracker.peak_split.as_row()
     tier = "tracked" if fake is None else "simulated"
-    out["memory"] = {"tier": tier, **split, "tracked_peak_bytes": split["peak_bytes"]}
+    # host memory beside the device's: what offloading keeps there, and moves each step
+    out["memory"] = {"tier": tier, **split, "tracked_peak_bytes": split["peak_bytes"], **tracker.host_row()}
     if fake is not None:
         out["memory"].update(predict_gpu(events, job.capacity_gb))
     if cuda:

@@ -16,9 +16,50 @@ from bench.errors import first_line
 from bench.measure import allocator
 from bench.measure.tracker import CapacityExceeded
 from bench.job import Job
-from bench.method import Method
+from bench.method import LossScaler, Method, Precision, use_precision
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+# the compute dtypes autocast takes (a mixed-precision job's `dtype`)
+AUTOCAST_DTYPES = ("bfloat16", "float16")
+
+
+def precision_error(dtype: str, precision: str) -> str | None:
+    """Why a job's `dtype` and `precision` cannot go together, or None: mixed precision
+    computes in a low-precision dtype under autocast over float32 parameters, so its
+    `dtype` must be bfloat16 or float16. Checked before any job (the suite check,
+    `membench run`, `membench fit`) and again by `setup`."""
+    if precision == "mixed" and dtype not in AUTOCAST_DTYPES:
+        return (f"precision: mixed needs dtype bfloat16 or float16 (the compute dtype under "
+                f"autocast; the parameters are float32), not dtype: {dtype}")
+    return None
+
+
+def param_dtype(job: Job) -> torch.dtype:
+    """The dtype the model's parameters are built in: float32 (the master copy) under
+    mixed precision, else the job's dtype."""
+    return torch.float32 if job.precision == "mixed" else DTYPES[job.dtype]
+
+
+def job_precision(job: Job) -> Precision:
+    """The job's Precision (bench.method): a fresh float16 loss scaler for float16."""
+    return Precision(dtype=DTYPES[job.dtype], mixed=job.precision == "mixed",
+                     device_type=torch.device(job.device).type,
+                     scaler=LossScaler() if job.dtype == "float16" else None)
+
+
+def loss_scaler_record(model, method: Method) -> dict:
+    """What a float16 result states of its loss scaling: the scaler's final scale and the
+    updates it skipped, or that the method's step runs unscaled (`loss_scaling = False`);
+    nothing for other dtypes."""
+    from bench.method import precision_of
+
+    scaler = precision_of(model).scaler
+    if scaler is None:
+        return {}
+    if not method.loss_scaling:
+        return {"loss_scaler": {"scaling": "none (the method's step runs float16 unscaled)"}}
+    return {"loss_scaler": {"scaling": "dynamic", **scaler.state()}}
 
 
 class Diverged(RuntimeError):
@@ -113,6 +154,9 @@ def check_batch(job: Job, method: Method) -> None:
 def setup(job: Job, method: Method, fake=None):
     models.config_of(job.model)  # a clear error for an unknown name
     check_batch(job, method)
+    problem = precision_error(job.dtype, job.precision)
+    if problem:
+        raise ValueError(problem)
     if job.seq_len > models.max_positions(job.model):
         raise ValueError(f"seq_len {job.seq_len} exceeds {job.model}'s {models.max_positions(job.model)} positions")
     if job.device.startswith("cuda"):
@@ -134,11 +178,12 @@ def setup(job: Job, method: Method, fake=None):
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap), index)
     torch.manual_seed(job.seed)
     # Built directly in its dtype and on its device: no copy, and it works on fake tensors.
-    with fake or contextlib.nullcontext(), torch.device(job.device), default_dtype(DTYPES[job.dtype]):
+    with fake or contextlib.nullcontext(), torch.device(job.device), default_dtype(param_dtype(job)):
         model = models.build(job.model, job.attn_implementation, job.dropout)
     if job.init and fake is None:  # fake tensors hold no values: nothing to load
         load_weights(model, job.init)
     model = method.transform_model(model)
+    use_precision(model, job_precision(job))  # autocast (mixed) and the float16 loss scaler
     model.train()
     task = data.make_task(job.task)
     objective = models.OBJECTIVE[models.family(job.model)]

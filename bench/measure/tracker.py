@@ -25,6 +25,16 @@ A wrapper tensor subclass (torchao's quantised optimizer states and the views it
 return) holds no storage of its own: its `untyped_storage()` claims numel x its dtype's
 size, memory it does not hold, so the tracker counts its inner tensors instead
 (`bench.hooks.inner_tensors`).
+Host memory is not device memory. What a method deliberately keeps in host memory
+(`bench.hooks.to_host`, and whatever it makes inside `bench.hooks.on_host()`: offloaded
+activations, an offloaded optimizer's state) goes to a separate host ledger, `HostLedger`,
+never to a category, the peak or the allocation events (`events=`: the device allocator's
+replay); on a CUDA job, the CPU storages a method did not put there are not counted at all.
+On the CPU (tracked tier) and on fake tensors (simulated tier) a "host" tensor is a CPU
+tensor like the rest: the tracker tells it apart by its storage, made while it attributed
+new storages to the host. The ledger gives `host_peak_bytes` (`HostLedger`'s rule) and the
+tracker `transfer_bytes`: the bytes copied between host and device (both directions,
+`bench.hooks.transfer`) since the last `reset_peak`, i.e. per measured step.
 What it cannot see: the allocator (caching, fragmentation, CUDA context, library
 workspaces). On CUDA the *measured* tier adds the allocator's own peak beside it; on
 fake tensors, `events=` records the allocation order for `bench.measure.allocator` to replay.
@@ -65,21 +75,62 @@ class MemorySplit:
         return row
 
 
+class HostLedger:
+    """Host memory a method keeps deliberately, as PyTorch's pinned-memory allocator holds it
+    (`CachingHostAllocator`, aten/src/ATen/core/CachingHostAllocator.h): each request is a
+    block of its size rounded up to a power of two; a freed block is cached and reused by a
+    later request of the same rounded size; nothing cached is given back. `peak_bytes` is
+    the bytes of all blocks reserved so far: a high-water mark that never goes down (over the
+    warm-up and the measured step alike; it includes what the allocator caches, so it can
+    exceed the most bytes ever live at once when block sizes change)."""
+
+    def __init__(self):
+        self.live: dict[int, int] = {}  # storage key -> block bytes
+        self.cached: dict[int, int] = {}  # block bytes -> free blocks of that size
+        self.current = 0  # bytes of blocks in use
+        self.peak_bytes = 0  # bytes of blocks reserved
+
+    @staticmethod
+    def block(nbytes: int) -> int:
+        return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+    def alloc(self, key: int, nbytes: int) -> None:
+        size = self.block(nbytes)
+        if self.cached.get(size):
+            self.cached[size] -= 1
+        else:
+            self.peak_bytes += size
+        self.live[key] = size
+        self.current += size
+
+    def free(self, key: int) -> None:
+        size = self.live.pop(key, None)
+        if size is not None:
+            self.cached[size] = self.cached.get(size, 0) + 1
+            self.current -= size
+
+
 class MemoryTracker(TorchDispatchMode, Tracker):
     """Track live tensor bytes by category; see the module docstring.
 
     Use as a context manager around the training steps, after registering what existed
     before (`register_model`, `register`). `capacity_bytes` turns the tracker into a
     memory cap: going over it raises `CapacityExceeded`. What methods may use of it is
-    `bench.hooks.Tracker` (they find it with `bench.hooks.active_tracker`).
+    `bench.hooks.Tracker` (they find it with `bench.hooks.active_tracker`). `device`: where
+    the step runs; on any device but the CPU, CPU storages are host memory (the ledger's if a
+    method put them there, else not counted).
     """
 
     def __init__(self, capacity_bytes: int | None = None, round_to: int = 1,
-                 events: list | None = None):
+                 events: list | None = None, device: str = "cpu"):
         super().__init__()
         self.capacity_bytes = capacity_bytes
         self.round_to = round_to
         self.events = events  # if a list: ("alloc", key, nbytes) and ("free", key), in order
+        self.device_is_cpu = torch.device(device).type == "cpu"
+        self.host = HostLedger()
+        self.transfer_bytes = 0
+        self._on_host = 0  # > 0: new storages are host memory
         self._live: dict[int, list] = {}  # storage key -> [bytes, category, pinned]
         self._totals = dict.fromkeys(CATEGORIES, 0)
         self.current = 0
@@ -105,6 +156,14 @@ class MemoryTracker(TorchDispatchMode, Tracker):
             if relabel and (pinned or not entry[2]):
                 self._relabel(entry, category)
                 entry[2] = entry[2] or pinned
+            return
+        if key in self.host.live:  # host memory stays host memory, whatever its label
+            return
+        if self._on_host and tensor.device.type == "cpu":
+            self.host.alloc(key, storage.nbytes())
+            weakref.finalize(storage, self.host.free, key)
+            return
+        if tensor.device.type == "cpu" and not self.device_is_cpu:  # host memory no method put in the ledger
             return
         size = self._size(storage)
         self._live[key] = [size, category, pinned]
@@ -133,6 +192,23 @@ class MemoryTracker(TorchDispatchMode, Tracker):
             self.current -= entry[0]
             if self.events is not None:
                 self.events.append(("free", key))
+
+    # -- host -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def on_host(self):
+        """New storages made inside are host memory (the ledger's), not device memory."""
+        self._on_host += 1
+        try:
+            yield
+        finally:
+            self._on_host -= 1
+
+    def transferred(self, nbytes: int) -> None:
+        """Count bytes copied between host and device."""
+        self.transfer_bytes += nbytes
+
+    def host_row(self) -> dict:
+        return {"host_peak_bytes": self.host.peak_bytes, "transfer_bytes": self.transfer_bytes}
 
     def register(self, tensors, category: str) -> None:
         """Count tensors created before tracking (inputs, buffers) under a fixed category."""
@@ -177,7 +253,9 @@ class MemoryTracker(TorchDispatchMode, Tracker):
         return {key: entry[0] for key, entry in self._live.items()}
 
     def reset_peak(self) -> None:
-        """Start a new peak from what is live now (e.g. after a warm-up step)."""
+        """Start a new peak from what is live now (e.g. after a warm-up step), and count
+        transfers from zero; the host ledger's high-water mark stays."""
+        self.transfer_bytes = 0
         self.peak = self.current
         self.peak_split = MemorySplit(**self._totals)
 

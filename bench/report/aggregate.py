@@ -23,14 +23,16 @@ from bench.recovery import UnreadableResult, read_result
 
 SUMMARY_COLUMNS = [
     "kind", "method", "model", "family", "n_params", "trainable_params", "batch_size", "micro_batches", "seq_len",
-    "dtype", "device", "device_name", "cpu_id", "memory_tier", "capacity_gb", "peak_bytes",
+    "dtype", "precision", "device", "device_name", "cpu_id", "memory_tier", "capacity_gb", "peak_bytes",
     "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "other_bytes",
-    "first_step_peak_bytes", "reserved_peak_bytes", "alloc_retries", "tokens_per_s", "baseline",
+    "host_peak_bytes", "transfer_bytes", "first_step_peak_bytes", "reserved_peak_bytes", "alloc_retries",
+    "tokens_per_s", "baseline",
     "baseline_tokens_per_s", "throughput_ratio", "throughput_ratio_lo", "throughput_ratio_hi",
     "step_time_median_s", "step_time_q1_s", "step_time_q3_s", "largest_batch", "at_max_batch",
     "largest_model", "at_ladder_top", "flops", "bytes_moved", "ops", "flops_forward",
     "flops_backward", "flops_optimizer", "est_h100_step_time_s", "est_h100_tokens_per_s",
-    "est_h100_calibrated", "phase", "init", "task", "steps", "lr", "tuning", "final_loss", "loss_floor",
+    "est_h100_calibrated", "est_h100_transfer_s", "est_h100_step_time_serial_s", "est_h100_step_time_overlap_s",
+    "phase", "init", "task", "steps", "lr", "tuning", "final_loss", "loss_floor",
     "target_loss", "steps_to_target", "tokens_to_target", "status",
     "message", "seed", "commit", "torch_version", "date", "wall_time_s", "hparams", "result_file",
 ]
@@ -47,19 +49,21 @@ def summary_row(record: dict, path: str) -> dict:
         "family": family(job["model"]), "n_params": record.get("n_params"),
         "trainable_params": record.get("trainable_params"),
         "batch_size": job["batch_size"], "micro_batches": hp.get("micro_batches"),
-        "seq_len": job["seq_len"], "dtype": job["dtype"], "device": job["device"],
+        "seq_len": job["seq_len"], "dtype": job["dtype"],
+        "precision": job.get("precision", "pure"),  # results written before the field: pure
+        "device": job["device"],
         "device_name": prov.get("device_name"), "cpu_id": prov.get("cpu_id"),
         "memory_tier": mem.get("tier"),
         "capacity_gb": job.get("capacity_gb"),
         **{k: mem.get(k) for k in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
-                                   "activation_bytes", "other_bytes", "reserved_peak_bytes",
-                                   "alloc_retries")},
+                                   "activation_bytes", "other_bytes", "host_peak_bytes",
+                                   "transfer_bytes", "reserved_peak_bytes", "alloc_retries")},
         "first_step_peak_bytes": record.get("first_step_peak_bytes"),
         **{k: thr.get(k) for k in ("tokens_per_s", "baseline", "baseline_tokens_per_s",
                                    "throughput_ratio", "throughput_ratio_lo",
                                    "throughput_ratio_hi", "step_time_median_s",
                                    "step_time_q1_s", "step_time_q3_s")},
-        **cost_columns(record.get("cost"), job["batch_size"] * job["seq_len"]),
+        **cost_columns(record.get("cost"), job["batch_size"] * job["seq_len"], mem.get("transfer_bytes")),
         "phase": phase(job), "init": job.get("init"),
         "task": job["task"], "steps": job["steps"] if job["kind"] in ("throughput", "convergence") else None,
         "lr": hp.get("lr") if job["kind"] == "convergence" else None, "tuning": tuning_role(job),
@@ -71,16 +75,19 @@ def summary_row(record: dict, path: str) -> dict:
     }
 
 
-def cost_columns(cost: dict | None, tokens: int) -> dict:
+def cost_columns(cost: dict | None, tokens: int, transfer_bytes: int | None = None) -> dict:
     """The step's compute cost (bench.measure.cost) and its estimated step time and tokens/s
     on an H100 SXM 80GB (`bench.estimate`; uncalibrated unless results/reference/
-    gpu_efficiency.json has that GPU: `est_h100_calibrated`)."""
+    gpu_efficiency.json has that GPU: `est_h100_calibrated`); with the step's host transfers
+    (a memory result's `transfer_bytes`), their time over the H100's PCIe link and the
+    step's time without and with full overlap."""
     cost = cost or {}
     phases = cost.get("phases", {})
     return {"flops": cost.get("flops"), "bytes_moved": cost.get("bytes_moved"), "ops": cost.get("ops"),
             **{f"flops_{p}": phases.get(p, {}).get("flops") if cost else None
                for p in ("forward", "backward", "optimizer")},
-            **estimate.estimate_row(cost, tokens, "h100-sxm-80gb", _calibration(), prefix="est_h100")}
+            **estimate.estimate_row(cost, tokens, "h100-sxm-80gb", _calibration(), prefix="est_h100",
+                                    transfer_bytes=transfer_bytes)}
 
 
 @functools.cache

@@ -102,6 +102,7 @@ class Roam(Method):
     incompatible = frozenset({"checkpointing"})  # recomputation is not part of the traced step
     plans_per_shape = True  # the first step at a batch shape is traced and planned
     max_micro_batches = 1  # it plans one whole training step
+    loss_scaling = False  # the traced step's AdamW update takes the gradients unscaled
     choices = {"planner": planners.PLANNERS, "layout": LAYOUTS}
 
     def __init__(self):

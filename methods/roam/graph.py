@@ -436,7 +436,10 @@ class _Bound:
     """Calls `model` with given parameter and buffer tensors (for `lm_loss`)."""
 
     def __init__(self, model, tensors):
+        from bench.method import precision_of, use_precision
+
         self.model, self.tensors = model, tensors
+        use_precision(self, precision_of(model))  # lm_loss's autocast under mixed precision
 
     def __call__(self, **kwargs):
         from torch.func import functional_call

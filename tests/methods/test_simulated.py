@@ -57,6 +57,8 @@ def test_every_method_simulates_as_it_runs(tiny_job, method):
     assert fake["status"] == "ok", fake.get("message")
     for c in CATEGORIES:
         assert fake["memory"][f"{c}_bytes"] == real["memory"][f"{c}_bytes"], c
+    for key in ("host_peak_bytes", "transfer_bytes"):  # the host ledger (offloading methods)
+        assert fake["memory"][key] == real["memory"][key], key
 
 
 def test_paper_sized_model_simulates_without_its_memory(tiny_job):

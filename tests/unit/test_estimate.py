@@ -169,3 +169,21 @@ def test_throughput_at_capacity_figure_draws_a_line_per_method(tmp_path, monkeyp
     assert len(figure.axes[0].get_lines()) == 2 and "uncalibrated" in figure._suptitle.get_text()
     written = fig_module.throughput_at_capacity(path, tmp_path / "fig")
     assert all(p.stat().st_size > 5000 for p in written)
+
+
+def test_host_transfers_take_the_link_time_with_and_without_overlap():
+    """transfer_bytes over the H100's PCIe Gen5 x16 (64 GB/s a direction): added to the
+    step (no overlap) or the larger of the two (full overlap); no transfers, no change."""
+    ops = [["forward", "mm", "bfloat16", 2 * 10 ** 12, 10 ** 9, 3]]
+    cost = {"flops": 6 * 10 ** 12, "per_op": ops, "phases": {}}
+    seconds = estimate.estimate(ops, "h100-sxm-80gb")
+    row = estimate.estimate_row(cost, 4096, "h100-sxm-80gb", transfer_bytes=64 * 10 ** 9)
+    assert row["est_transfer_s"] == pytest.approx(1.0)
+    assert row["est_step_time_serial_s"] == pytest.approx(seconds + 1.0)
+    assert row["est_step_time_overlap_s"] == pytest.approx(max(seconds, 1.0))
+    assert row["est_step_time_s"] == seconds  # the compute estimate is unchanged
+    none = estimate.estimate_row(cost, 4096, "h100-sxm-80gb", transfer_bytes=0)
+    assert none["est_step_time_serial_s"] == none["est_step_time_overlap_s"] == seconds
+    columns = aggregate.cost_columns(cost, 4096, transfer_bytes=32 * 10 ** 9)
+    assert columns["est_h100_transfer_s"] == pytest.approx(0.5) and set(columns) <= set(aggregate.SUMMARY_COLUMNS)
+    assert all(g.host_link_gbs > 0 for g in estimate.GPUS.values())
