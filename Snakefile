@@ -1,5 +1,6 @@
 # membench: config -> one job per (method, model, batch, seed, kind) -> result JSON
 # -> results/summary.csv + results/curves.csv -> results/figures/ -> paper/results.md
+# -> results/paper/article.{md,html} (the article; paper/article.* is the references')
 #
 #   snakemake --cores all                          # the quick suite (CPU, minutes)
 #   snakemake --cores all --config suite=full      # papers' sizes on a GPU
@@ -66,6 +67,7 @@ rule all:
         "results/summary.csv",
         expand("results/figures/{name}.{ext}", name=FIGURES, ext=["png", "pdf"]),
         "paper/results.md",
+        "results/paper/article.html",
 
 
 # One rule per group of jobs that share a process (bench.suite.groups): the memory jobs of
@@ -133,3 +135,21 @@ rule paper:
         figures=expand("results/figures/{name}.png", name=FIGURES),
     output: "paper/results.md"
     shell: "{PYTHON} -m bench report --summary {input.summary} --claims {input.claims} --out {output}"
+
+
+# The article (bench/report/article.py): findings, recommendations per GPU memory size, the
+# claims audit and how much to trust the numbers, from this run's summary; article.md,
+# its figures and article.html (and article.pdf where WeasyPrint is installed). paper/
+# holds the one made from the committed references (paper/sources.yaml).
+rule article:
+    message: "writing results/paper/article.md and article.html"
+    input:
+        summary="results/summary.csv",
+        curves="results/curves.csv",
+        claims="paper/claims.yaml",
+    output:
+        md="results/paper/article.md",
+        html="results/paper/article.html",
+    log: "results/logs/article.log"
+    shell: "{PYTHON} -m bench article --summary {input.summary} --curves {input.curves} --claims {input.claims} "
+           "--out results/paper 2> {log}"

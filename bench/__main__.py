@@ -20,6 +20,8 @@ COMMANDS = {
     "aggregate": ("bench.report.aggregate", "main", "result JSONs -> results/summary.csv and curves.csv"),
     "figures": ("bench.report.figures", "main", "summary.csv and curves.csv -> results/figures/"),
     "report": ("bench.report.markdown", "main", "summary.csv -> the report paper/results.md"),
+    "article": ("bench.report.article", "main",
+                "summaries -> the article (article.md, figures, article.html, PDF): paper/"),
     "throughput-capacity": ("bench.report.fig_throughput_capacity", "main",
                             "the figure of estimated tokens/s at each method's largest batch"),
     "fewbit-tables": ("methods.fewbit.tables", "main", "derive Few-Bit's optimal derivative tables"),

@@ -450,3 +450,13 @@ def claim_table(summary: pd.DataFrame, claims: list[dict]) -> pd.DataFrame:
         rows.append({**c, "ours": ours, "our_setup": setup, "n": n})
     return pd.DataFrame(rows, columns=["method", "versus", "metric", "claim", "ours", "setup",
                                        "our_setup", "source", "n"])
+
+
+def claim_pairs(summary: pd.DataFrame, claim: dict) -> pd.DataFrame:
+    """The cells behind one claim's `ours` in `claim_table`: the claim's method (`m`) and
+    the method it is compared with (`v`) side by side on the metric's cell keys."""
+    frame = summary.copy()
+    frame["state_bytes"] = frame[["param_bytes", "grad_bytes", "optimizer_bytes"]].sum(axis=1, min_count=3)
+    frame["n_params_inside_ladder"] = frame["n_params"].where(frame["at_ladder_top"] != 1)
+    kind, value, keys, _ = CLAIM_METRICS[claim["metric"]]
+    return _paired(reported(frame[frame["kind"] == kind]), claim["method"], claim["versus"], keys, value)
