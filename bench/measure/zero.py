@@ -1,0 +1,626 @@
+"""Per-rank memory under DeepSpeed ZeRO stages 1, 2 and 3: a model, not a run.
+
+DeepSpeed cannot run on fake tensors (flat buffers, `data_ptr` checks, C++ optimizers), so
+its per-rank memory is modelled from one unsharded step tracked the way a memory job
+tracks it (`record_timeline`: the allocation order and each storage's category), under
+DeepSpeed's partitioning rules (`model_rank`). The model replays that timeline with the
+parameter, gradient and optimizer allocations replaced by the sizes DeepSpeed allocates
+on one rank, inserts DeepSpeed's transient buffers (reduce buckets; stage 3's gathered
+parameters), and replays the result through the allocator model (`bench.measure.allocator`).
+
+Rules, read in DeepSpeed 0.19.8 (`deepspeed/runtime/zero/`; line numbers of that release):
+
+- Defaults (`config.py` 95-251): `reduce_bucket_size` 5e8 elements, `allgather_bucket_size`
+  5e8, `contiguous_gradients` True, `overlap_comm` True for stage 3 and False otherwise
+  (`overlap_comm_valid`, 384), `stage3_max_live_parameters` 1e9, `stage3_prefetch_bucket_size`
+  5e7, `stage3_param_persistence_threshold` 1e5, `stage3_max_reuse_distance` 1e9.
+- Precision (`engine.py` `get_data_types`, 1799): the model's dtype is float16/bfloat16 when
+  enabled, else float32; gradients are kept in the model's dtype unless `grad_accum_dtype` is
+  set. The optimizer always works on a float32 master partition, a copy even when the model
+  is float32 (`stage_1_and_2.py` 565, `stage3.py` `_create_fp32_partitions`): the master
+  partition and the optimizer's state on it are the ``optimizer`` category.
+- Stage 1/2 padding (`stage_1_and_2.py` 441-446, `utils.py` `align_dense_tensors` 994): the
+  trainable parameters of a group are flattened into one buffer padded to a multiple of
+  2 x world_size elements (NCCL's 4-byte alignment for 16-bit elements); every rank keeps the
+  whole flat buffer (``param``) and owns an equal partition of it, padded numel / world_size
+  (`get_data_parallel_partitions`, 2559).
+- Stage 1/2 gradients: with `contiguous_gradients` each gradient is copied into the reduce
+  bucket, a preallocated buffer of `reduce_bucket_size` elements in the gradient dtype (two
+  with `overlap_comm`), made at the first gradient of a backward (`setup_buckets`, 3256) and
+  dropped at the end of it (`_release_ipg_buffers`, 924); the full gradient is freed once
+  copied. Stage 2 reduces a bucket when the next gradient would overflow it, stage 1 after
+  the whole backward (`reduce_gradients`, 958: its gradients stay full-size until then).
+  What a rank keeps is `grads_in_partition` (2192): the whole gradient of every parameter
+  that overlaps its partition (`get_partition_info`, 2579), so it differs by rank.
+- Stage 3 (`partition_parameters.py` `_aligned_size` 1690, `_partition_param` 1816): each
+  parameter is padded to a multiple of world_size and every rank keeps ceil(numel /
+  world_size) elements (``param``); parameters of at most `param_persistence_threshold`
+  elements stay whole on every rank (`parameter_offload.py` `mark_persistent_parameters`,
+  317). Gradients go to a flat partition buffer made at start-up
+  (`stage3.py` `grad_partitions_flat_buffer`, 791) and the reduce bucket (782) is made at
+  start-up too and kept. A module's parameters are gathered before its forward or backward
+  and released after it, unless their next use comes within `max_reuse_distance`
+  gathered elements; at most `max_live_parameters` gathered elements stay live.
+- ZeRO-Offload (`offload_optimizer`, `stage_1_and_2.py` 558-585, 936-950): the float32
+  master partition, its gradient and the optimizer state live in host memory
+  (``host_bytes``); the GPU keeps a gradient buffer of the largest parameter (746).
+
+What the model leaves out (stated, not hidden): stage 3's prefetching (`prefetch_bucket_size`:
+parameters gathered ahead of use) and the all-gather's own flat buffers; DeepSpeed's
+temporaries inside its optimizer step (the flattened gradient, norms); the CUDA streams
+(`overlap_comm` reduces on its own stream, a pool of its own); NCCL's buffers. All ranks keep
+the same bytes except stage 1/2's `grads_in_partition`, which is modelled per rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pickle
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+from bench import models
+from bench.job import CATEGORIES, Job
+from bench.measure import allocator, step
+from bench.measure.tracker import MemorySplit, MemoryTracker, cuda_kernels
+from bench.method import Method
+
+DEEPSPEED_VERSION = "0.19.8"
+F32 = 4
+SHARDING_PARTS = ("bucket", "unsharded_grad", "gathered_param")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The DeepSpeed settings that change a rank's memory; defaults are DeepSpeed 0.19.8's
+    (`deepspeed/runtime/zero/config.py`)."""
+
+    stage: int
+    world_size: int
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000  # not modelled: stage 1/2's update all-gather is in place
+    contiguous_gradients: bool = True
+    overlap_comm: bool | None = None  # None: True for stage 3, else False (as DeepSpeed)
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    prefetch_bucket_size: int = 50_000_000  # not modelled (see the module docstring)
+    param_persistence_threshold: int = 100_000
+    offload_optimizer: bool = False
+
+    @property
+    def overlap(self) -> bool:
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    def deepspeed(self) -> dict:
+        """The `zero_optimization` section of a DeepSpeed config with these settings."""
+        out = {"stage": self.stage, "reduce_bucket_size": self.reduce_bucket_size,
+               "allgather_bucket_size": self.allgather_bucket_size,
+               "contiguous_gradients": self.contiguous_gradients, "overlap_comm": self.overlap}
+        if self.stage == 3:
+            out.update(stage3_max_live_parameters=self.max_live_parameters,
+                       stage3_max_reuse_distance=self.max_reuse_distance,
+                       stage3_prefetch_bucket_size=self.prefetch_bucket_size,
+                       stage3_param_persistence_threshold=self.param_persistence_threshold)
+        if self.offload_optimizer:
+            out["offload_optimizer"] = {"device": "cpu"}
+        return out
+
+
+# -- the partitioning arithmetic ---------------------------------------------------------
+def flat_padded_numel(numels, world_size: int) -> int:
+    """Stage 1/2: elements of the flat parameter buffer, padded to a multiple of
+    2 x world_size (`stage_1_and_2.py` 441-446)."""
+    align = 2 * world_size
+    return -(-sum(numels) // align) * align
+
+
+def flat_partition_numel(numels, world_size: int) -> int:
+    """Stage 1/2: elements each rank owns of the flat buffer."""
+    return flat_padded_numel(numels, world_size) // world_size
+
+
+def grads_in_partition_numel(numels, world_size: int, rank: int) -> int:
+    """Stage 1/2: elements of the gradients rank `rank` keeps after reduction: every
+    parameter that overlaps its partition, whole (`get_partition_info`, `copy_grads_in_partition`)."""
+    size = flat_partition_numel(numels, world_size)
+    start, end = size * rank, size * (rank + 1)
+    total = offset = 0
+    for n in numels:
+        if start <= offset < end or offset < start < offset + n:
+            total += n
+        offset += n
+    return total
+
+
+def stage3_partition_numel(numel: int, world_size: int) -> int:
+    """Stage 3: elements every rank keeps of one parameter, ceil(numel / world_size)
+    (`partition_parameters.py` `_aligned_size`)."""
+    return -(-numel // world_size)
+
+
+def persistent(numel: int, cfg: ZeroConfig) -> bool:
+    """Stage 3: a parameter small enough to stay whole on every rank."""
+    return cfg.stage == 3 and numel <= cfg.param_persistence_threshold
+
+
+# -- the unsharded timeline --------------------------------------------------------------
+@dataclass
+class Timeline:
+    """One unsharded step's allocations, as a memory job tracks them (warm-up + measured).
+
+    `events`: ("alloc", key, nbytes) / ("free", key) in order; `labels[i]`: the last
+    category of the storage allocated at event i; `owner[i]`: the parameter (its index in
+    `params`) whose gradient that storage became; `params`: (numel, element size, trainable)
+    per parameter; `uses`: ("use"/"done", event index, parameter indices) at each module's
+    forward and backward; `measured_from`: the event where the measured step starts;
+    `updates`: (start, end) event indices of each optimizer step; `backwards`: (start, end)
+    of each backward."""
+
+    events: list
+    labels: dict
+    owner: dict
+    params: list
+    uses: list = field(default_factory=list)
+    measured_from: int = 0
+    updates: list = field(default_factory=list)
+    backwards: list = field(default_factory=list)
+    optimizer_scalars: int = 0  # bytes of 0-d optimizer state (step counters)
+    state_per_element: int = 0  # per-element optimizer tensors (AdamW: 2)
+    unsharded: dict = field(default_factory=dict)  # the job's own memory row
+
+
+class TimelineTracker(MemoryTracker):
+    """`MemoryTracker` that also keeps, per allocation event, the storage's last category
+    and which parameter's gradient it became (`Timeline.labels`, `Timeline.owner`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(events=[], **kwargs)
+        self.labels: dict[int, str] = {}
+        self.owner: dict[int, int] = {}
+        self._index: dict[int, int] = {}  # storage key -> its alloc event
+        self._param_index: dict[int, int] = {}
+
+    def _add(self, tensor, category, pinned, relabel):
+        before = len(self.events)
+        super()._add(tensor, category, pinned, relabel)
+        if len(self.events) > before and self.events[-1][0] == "alloc":
+            key = self.events[-1][1]
+            self._index[key] = len(self.events) - 1
+            self.labels[len(self.events) - 1] = self._live[key][1]
+
+    def _relabel(self, entry, category):
+        super()._relabel(entry, category)
+        for key, live in self._live.items():
+            if live is entry and key in self._index:
+                self.labels[self._index[key]] = category
+                break
+
+    def register_model(self, model):
+        super().register_model(model)
+        self._param_index = {id(p): i for i, p in enumerate(model.parameters())}
+
+    def _on_grad(self, param):
+        super()._on_grad(param)
+        if param.grad is not None:
+            index = self._index.get(param.grad.untyped_storage()._cdata)
+            if index is not None:
+                self.owner[index] = self._param_index[id(param)]
+
+
+def _watch_modules(model, tracker: TimelineTracker, uses: list):
+    """Mark each module's forward and backward (the modules that hold parameters directly),
+    with the indices of its parameters: stage 3 gathers them there."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    handles = []
+    for module in model.modules():
+        own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+        if not own:
+            continue
+
+        def mark(kind, own=own):
+            return lambda *_: uses.append((kind, len(tracker.events), own))
+
+        handles += [module.register_forward_pre_hook(mark("use")), module.register_forward_hook(mark("done")),
+                    module.register_full_backward_pre_hook(mark("use")),
+                    module.register_full_backward_hook(mark("done"))]
+    return handles
+
+
+def record_timeline(job: Job, method: Method) -> Timeline:
+    """Run the memory job's two steps (`kinds._memory`: warm-up, then the measured step; on
+    fake tensors if `job.simulate`) under `TimelineTracker`, and return the timeline."""
+    fake = step.fake_mode() if job.simulate else None
+    model, stream = step.setup(job, method, fake)
+    tracker = TimelineTracker()
+    raw = [step.next_batch(stream, job.device) for _ in range(2)]
+    tracker.register_model(model)
+    uses: list = []
+    handles = _watch_modules(model, tracker, uses)
+    updates, backwards = [], []
+
+    def take_batch():
+        batch = raw.pop(0)
+        if fake is not None:
+            batch = {k: fake.from_tensor(v) for k, v in batch.items()}
+        tracker.register(batch.values(), "other")
+        return batch
+
+    with fake or contextlib.nullcontext(), tracker, cuda_kernels():
+        optimizer = method.make_optimizer(model)
+        optimizer.register_step_pre_hook(lambda *_: updates.append([len(tracker.events), None]))
+        optimizer.register_step_post_hook(lambda *_: updates[-1].__setitem__(1, len(tracker.events)))
+        loss = method.train_step(model, optimizer, take_batch())
+        tracker.label(method.state_tensors(optimizer), "optimizer")
+        del loss
+        batch = take_batch()
+        tracker.reset_peak()
+        measured_from = len(tracker.events)
+        loss = method.train_step(model, optimizer, batch)
+        tracker.label(method.state_tensors(optimizer), "optimizer")
+        del loss
+        state = method.state_tensors(optimizer)
+    # a backward's gradients: from its first to its last (DeepSpeed's hooks run at each)
+    for lo, hi in ((0, measured_from), (measured_from, len(tracker.events))):
+        made = [i for i in tracker.owner if lo <= i < hi]
+        if made:
+            backwards.append((min(made), max(made) + 1))
+    for h in handles:
+        h.remove()
+    scalars = sum(t.untyped_storage().nbytes() for t in state if t.numel() == 1)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    per_element = sum(t.numel() for t in state if t.numel() > 1) // max(1, trainable)
+    params = [(p.numel(), p.element_size(), p.requires_grad) for p in model.parameters()]
+    split = tracker.peak_split.as_row()
+    return Timeline(tracker.events, tracker.labels, tracker.owner, params, uses, measured_from,
+                    [tuple(u) for u in updates], backwards, scalars, per_element,
+                    {**split, "n_params": models.n_params(model)})
+
+
+# -- the model ---------------------------------------------------------------------------
+@dataclass
+class _Sizes:
+    """What one rank of DeepSpeed allocates for the model's state (elements and bytes)."""
+
+    param: int  # bytes of the parameters every rank keeps (full or partition)
+    master: int  # bytes of the float32 master partition
+    state: int  # bytes of the optimizer's state on the master partition
+    grad: int  # bytes of the gradients a rank keeps for its update
+    bucket: int  # bytes of one reduce bucket
+    flat_grad: int  # bytes of the flattened gradient partition its optimizer step reads
+
+
+def state_sizes(tl: Timeline, cfg: ZeroConfig, rank: int = 0) -> _Sizes:
+    """Per-rank bytes of DeepSpeed's state for stage `cfg.stage` (see the module docstring
+    for each rule's source)."""
+    trainable = [(n, e) for n, e, t in tl.params if t]
+    frozen = sum(n * e for n, e, t in tl.params if not t)
+    numels = [n for n, _ in trainable]
+    e = trainable[0][1]  # the model's dtype (DeepSpeed's gradients are in it too)
+    N = cfg.world_size
+    if cfg.stage in (1, 2):
+        part = flat_partition_numel(numels, N)
+        param = flat_padded_numel(numels, N) * e + frozen
+        grad = grads_in_partition_numel(numels, N, rank) * e
+        steps = F32  # one flat parameter per group: one step counter
+    else:
+        part = sum(stage3_partition_numel(n, N) for n in numels)
+        param = sum(n * e if persistent(n, cfg) else stage3_partition_numel(n, N) * e for n in numels) + frozen
+        # persistent parameters keep their partition too (`_partition_param` makes it for every parameter)
+        param += sum(stage3_partition_numel(n, N) * e for n in numels if persistent(n, cfg))
+        grad = part * e
+        steps = F32
+    return _Sizes(param=param, master=part * F32, state=tl.state_per_element * part * F32 + steps,
+                  grad=grad, bucket=cfg.reduce_bucket_size * e, flat_grad=part * e)
+
+
+def model_rank(tl: Timeline, cfg: ZeroConfig, rank: int = 0) -> dict:
+    """Rank `rank`'s memory under ZeRO stage `cfg.stage` on `cfg.world_size` ranks, modelled:
+    `memory` (tier "modelled", the five categories at the peak, `peak_bytes`, the allocator
+    replay), `sharding` (the part of `other` at the peak that ZeRO adds: reduce buckets,
+    full gradients not yet reduced, gathered parameters), `before_update` (param, grad,
+    optimizer as the optimizer step begins), `host_bytes` (ZeRO-Offload) and the events."""
+    events, labels, parts, marks = _zero_events(tl, cfg, rank)
+    split, sharding, before = _peak(events, labels, parts, marks)
+    replayed = allocator.replay(events[:])
+    sizes = state_sizes(tl, cfg, rank)
+    host = sizes.master + sizes.state + sizes.master if cfg.offload_optimizer else 0
+    return {"stage": cfg.stage, "world_size": cfg.world_size, "rank": rank, "tier": "modelled",
+            "memory": {"tier": "modelled", **split.as_row(),
+                       "predicted_allocated_peak_bytes": replayed.allocated_peak_bytes,
+                       "reserved_peak_bytes": replayed.reserved_peak_bytes},
+            "sharding": {**sharding, "bytes": sum(sharding.values())},
+            "before_update": before, "host_bytes": host, "events": events,
+            "config": cfg.deepspeed(), "deepspeed_version": DEEPSPEED_VERSION}
+
+
+def model_ranks(tl: Timeline, cfg: ZeroConfig) -> dict:
+    """Rank 0 and the rank with the largest peak (stage 1/2's kept gradients differ by rank)."""
+    ranks = [model_rank(tl, cfg, r) for r in range(cfg.world_size)] if cfg.world_size <= 64 else \
+        [model_rank(tl, cfg, 0), model_rank(tl, cfg, cfg.world_size - 1)]
+    return {"rank0": ranks[0], "max": max(ranks, key=lambda r: r["memory"]["peak_bytes"])}
+
+
+def _zero_events(tl: Timeline, cfg: ZeroConfig, rank: int):
+    """The unsharded timeline rewritten for one ZeRO rank: (events, label per new key,
+    sharding part per new key, marks: the event index where the measured step starts and
+    where each optimizer step starts)."""
+    sizes = state_sizes(tl, cfg, rank)
+    e = tl.params[0][1]
+    out, labels, parts = [], {}, {}
+    marks = {"measured": 0, "updates": []}
+    counter = [0]
+
+    def alloc(nbytes, label, part=None):
+        counter[0] += 1
+        key = ("zero", counter[0])
+        if nbytes:
+            out.append(("alloc", key, nbytes))
+            labels[key] = label
+            if part:
+                parts[key] = part
+        return key
+
+    def free(key):
+        if key in labels:
+            out.append(("free", key))
+
+    starts = {b[0] for b in tl.backwards}
+    ends = {b[1] for b in tl.backwards}
+    update_starts = {u[0] for u in tl.updates}
+    update_ends = {u[1] for u in tl.updates}
+    uses_at: dict[int, list] = {}
+    for kind, at, own in tl.uses:
+        uses_at.setdefault(at, []).append((kind, own))
+    renamed: dict = {}  # unsharded key -> new key (None: dropped, the model's state replaces it)
+    st = {"state_made": False, "params_made": False, "keep": None, "pending": [], "pending_numel": 0,
+          "buckets": []}
+    gathered: dict[int, object] = {}
+    gathered_numel = [0]
+    partitioned = cfg.stage in (1, 2)
+    update_scale = sizes.master / F32 / max(1, sum(n for n, _, t in tl.params if t))
+
+    def reduce_pending():
+        if st["keep"] is None and not cfg.offload_optimizer:
+            st["keep"] = alloc(sizes.grad, "grad")
+        for key in st["pending"]:
+            free(key)
+        st["pending"], st["pending_numel"] = [], 0
+
+    if cfg.stage == 3 and cfg.contiguous_gradients:  # made at start-up and kept (stage3.py 782)
+        alloc(sizes.bucket, "other", "bucket")
+    for i, event in enumerate(tl.events):
+        if i == tl.measured_from:
+            marks["measured"] = len(out)
+        if i in update_starts:
+            marks["updates"].append(len(out))
+        if i in starts and partitioned and cfg.contiguous_gradients and not cfg.offload_optimizer:
+            st["buckets"] = [alloc(sizes.bucket, "other", "bucket") for _ in range(2 if cfg.overlap else 1)]
+        if cfg.stage == 3:
+            for kind, own in uses_at.get(i, []):
+                _stage3_use(kind, own, tl, cfg, gathered, gathered_numel, alloc, free, i)
+        if event[0] == "alloc":
+            key, label = event[1], tl.labels.get(i, "other")
+            if label == "param":
+                renamed[key] = None
+                if not st["params_made"]:
+                    st["params_made"] = True
+                    alloc(sizes.param, "param")
+                    if not cfg.offload_optimizer:
+                        alloc(sizes.master, "optimizer")
+                    if cfg.stage == 3:
+                        alloc(sizes.grad, "grad")  # grad_partitions_flat_buffer, made at start-up
+            elif label == "optimizer":
+                renamed[key] = None
+                if not st["state_made"]:
+                    st["state_made"] = True
+                    if not cfg.offload_optimizer:
+                        alloc(sizes.state, "optimizer")
+            elif label == "grad" and i in tl.owner:
+                renamed[key] = None
+                n = tl.params[tl.owner[i]][0]
+                if cfg.offload_optimizer and partitioned:
+                    continue  # to the host, through a buffer of the largest parameter
+                full = alloc(n * e, "other", "unsharded_grad")
+                if cfg.stage == 3:
+                    free(full)  # reduce-scattered into the partition by its hook
+                elif cfg.stage == 2:
+                    if st["pending_numel"] + n > cfg.reduce_bucket_size and st["pending_numel"]:
+                        reduce_pending()
+                    st["pending_numel"] += n
+                    if cfg.contiguous_gradients:
+                        free(full)  # copied into the bucket by its hook
+                    else:
+                        st["pending"].append(full)
+                else:  # stage 1: full until the backward ends (reduce_gradients)
+                    st["pending"].append(full)
+            elif label == "other" and _in_update(i, tl):
+                # the optimizer's temporaries, for the rank's partition instead of the model
+                renamed[key] = alloc(event[2] if event[2] <= F32 else max(1, round(event[2] * update_scale)),
+                                     "other")
+            else:
+                renamed[key] = alloc(event[2], label)
+        else:
+            new = renamed.pop(event[1], None)
+            if new is not None:
+                free(new)
+        if i + 1 in ends and partitioned:
+            if not cfg.offload_optimizer:
+                reduce_pending()
+            for key in st["buckets"]:
+                free(key)
+            st["buckets"] = []
+        if i + 1 in update_ends and st["keep"] is not None:
+            free(st["keep"])  # zero_grad after the update drops the partition's gradients
+            st["keep"] = None
+    return out, labels, parts, marks
+
+
+def _in_update(i: int, tl: Timeline) -> bool:
+    return any(start <= i < end for start, end in tl.updates if end is not None)
+
+
+def _stage3_use(kind, own, tl, cfg, gathered, gathered_numel, alloc, free, at) -> None:
+    """Stage 3: gather a module's partitioned parameters before its forward/backward (the
+    full parameter, padded, in the model's dtype) and release them after, unless their next
+    use is within `max_reuse_distance` gathered elements; never more than
+    `max_live_parameters` elements live (the oldest released first)."""
+    e = tl.params[0][1]
+    N = cfg.world_size
+    if kind == "use":
+        for p in own:
+            n = tl.params[p][0]
+            if p in gathered or persistent(n, cfg) or N == 1:
+                continue
+            while gathered and gathered_numel[0] + n > cfg.max_live_parameters:
+                old = next(iter(gathered))
+                free(gathered.pop(old))
+                gathered_numel[0] -= tl.params[old][0]
+            gathered[p] = alloc(stage3_partition_numel(n, N) * N * e, "other", "gathered_param")
+            gathered_numel[0] += n
+    else:
+        for p in own:
+            if p not in gathered:
+                continue
+            if _next_use_distance(tl, p, at) <= cfg.max_reuse_distance:
+                continue
+            free(gathered.pop(p))
+            gathered_numel[0] -= tl.params[p][0]
+
+
+def _next_use_distance(tl: Timeline, p: int, at: int) -> float:
+    """Elements gathered between now and parameter `p`'s next use (inf if none in the
+    step), DeepSpeed's reuse distance."""
+    distance = 0
+    for kind, i, own in tl.uses:
+        if i <= at or kind != "use":
+            continue
+        if p in own:
+            return distance
+        distance += sum(tl.params[q][0] for q in own)
+    return math.inf
+
+
+def _peak(events, labels, parts, marks):
+    """The peak over the measured step (from its first event on), its split, the sharding
+    part at it, and the state as the measured step's optimizer step begins."""
+    sizes_by_key = {}
+    totals = dict.fromkeys(CATEGORIES, 0)
+    part_totals = dict.fromkeys(SHARDING_PARTS, 0)
+    peak = now = 0
+    split, sharding, before = MemorySplit(), dict(part_totals), {}
+    update = max(marks["updates"]) if marks["updates"] else None
+    for j, event in enumerate(events + [None]):
+        if j == marks["measured"]:
+            peak = now
+            split, sharding = MemorySplit(**totals), dict(part_totals)
+        if j == update:
+            before = {c: totals[c] for c in ("param", "grad", "optimizer")}
+        if event is None:
+            break
+        key = event[1]
+        if event[0] == "alloc":
+            sizes_by_key[key] = n = event[2]
+        else:
+            n = -sizes_by_key.pop(key)
+        totals[labels[key]] += n
+        if key in parts:
+            part_totals[parts[key]] += n
+        now += n
+        if j >= marks["measured"] and now > peak:
+            peak = now
+            split, sharding = MemorySplit(**totals), dict(part_totals)
+    return split, sharding, before
+
+
+# -- DeepSpeed itself, on the CPU (the check) ---------------------------------------------
+def deepspeed_ranks(job: Job, cfg: ZeroConfig) -> list[dict]:
+    """Run DeepSpeed (`deepspeed.initialize`, ZeRO stage `cfg.stage`, the job's model and
+    batch, `torch.optim.AdamW` as the client optimizer, float32) on `cfg.world_size` CPU
+    processes over gloo (`DS_ACCELERATOR=cpu`), a warm-up step then a measured step under
+    `MemoryTracker`; per rank: `before_update` (param, grad, optimizer as the optimizer step
+    begins, from DeepSpeed's own buffers) and `memory` (the measured step's peak split)."""
+    import torch.multiprocessing as mp
+
+    from bench.measure.sharded import free_port
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_deepspeed_rank, args=(cfg, free_port(), job.to_dict(), folder), nprocs=cfg.world_size, join=True)
+        out = []
+        for rank in range(cfg.world_size):
+            with open(os.path.join(folder, f"rank{rank}.pkl"), "rb") as f:
+                out.append(pickle.load(f))
+    return out
+
+
+def _deepspeed_state(optimizer, stage: int) -> dict[str, list]:
+    """DeepSpeed's persistent tensors of one rank by category."""
+    inner = [t for s in optimizer.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    if stage in (1, 2):
+        return {"param": list(optimizer.bit16_groups_flat),
+                "optimizer": list(optimizer.single_partition_of_fp32_groups) + inner, "grad": []}
+    params = [p.ds_tensor for group in optimizer.fp16_groups for p in group]
+    return {"param": params, "optimizer": list(optimizer.fp32_partitioned_groups_flat) + inner,
+            "grad": [optimizer.grad_partitions_flat_buffer]}
+
+
+def _deepspeed_rank(rank: int, cfg: ZeroConfig, port: int, job_dict: dict, folder: str) -> None:
+    import gc
+    import logging
+
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(cfg.world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(cfg.world_size))
+    torch.set_num_threads(1)
+    import deepspeed
+
+    from bench.method import load
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")
+    job = Job.from_dict(job_dict)
+    method = load(job.method, job.hparams)
+    model, stream = step.setup(job, method)
+    config = {"train_micro_batch_size_per_gpu": job.batch_size, "zero_optimization": cfg.deepspeed(),
+              "zero_allow_untested_optimizer": True}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                                   config=config)
+    batches = [step.next_batch(stream, job.device) for _ in range(2)]
+
+    def one_step(batch, tracker=None):
+        loss = method.loss(engine.module, batch)
+        engine.backward(loss)
+        before = None
+        if tracker is not None:
+            state = _deepspeed_state(optimizer, cfg.stage)
+            if cfg.stage in (1, 2):  # what the update reads: the kept gradients
+                state["grad"] = [t for ts in optimizer.averaged_gradients.values() for t in ts]
+            tracker.label(state["grad"], "grad")
+            before = {c: _storage_bytes(state[c]) for c in ("param", "grad", "optimizer")}
+        engine.step()
+        return before
+
+    with cuda_kernels():
+        one_step(batches[0])
+        tracker = MemoryTracker(events=[])
+        state = _deepspeed_state(optimizer, cfg.stage)
+        for category in ("param", "optimizer", "grad"):
+            tracker.register(state[category], category)
+        gc.collect()
+        tracker.register([t for t in gc.get_objects() if isinstance(t, torch.Tensor)
+                          and t.untyped_storage()._cdata not in tracker.live_bytes()], "other")
+        tracker.register(batches[1].values(), "other")
+        with tracker:
+            before = one_step(batches[1], tracker)
+    result = {"rank": rank, "before_update": before, "memory": tracker.peak_split.as_row(),
+              "optimizer_class": type(optimizer).__name__, "deepspeed_version": deepspeed.__version__}
+    with open(os.path.join(folder, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    torch.distributed.destroy_process_group()
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under `tensors` (views of one buffer counted once)."""
+    seen = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(seen.values())

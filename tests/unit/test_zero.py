@@ -1,0 +1,148 @@
+"""ZeRO-1/2/3 per-rank memory, modelled (bench.measure.zero): world size 1 against the
+unsharded memory job; the parameter, gradient and optimizer bytes per rank against
+DeepSpeed's partitioning arithmetic computed here from the shapes; the transient buffers
+within their stated bounds; stage 3 against FSDP2's sharding rule; and the model against
+DeepSpeed itself on CPU processes (gloo) where deepspeed is installed."""
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from bench import models
+from bench.job import Job
+from bench.measure import sharded, zero
+from bench.method import load
+
+F32 = 4
+
+
+def job(model="gpt2-tiny"):
+    return Job(kind="memory", method="adamw", model=model, batch_size=4, seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def timeline():
+    return zero.record_timeline(job(), load("adamw"))
+
+
+def shapes(name="gpt2-tiny"):
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in models.build(name).parameters()]
+
+
+def deepspeed_bytes(stage, world_size, rank, name="gpt2-tiny", threshold=0):
+    """(param, grad, optimizer) bytes of one rank as DeepSpeed allocates them for a float32
+    model and AdamW, from the shapes alone.
+    Stage 1/2: the flat buffer is padded to a multiple of 2 x world_size elements and kept
+    whole; each rank owns padded / world_size elements; it keeps the whole gradient of every
+    parameter that overlaps its partition. Stage 3: each parameter padded to a multiple of
+    world_size, ceil(numel / world_size) per rank (whole if at most `threshold` elements);
+    the gradient partition is as large. Optimizer: the float32 master partition, AdamW's two
+    moments on it, one step counter."""
+    numels = [math.prod(s) for s in shapes(name)]
+    if stage in (1, 2):
+        padded = math.ceil(sum(numels) / (2 * world_size)) * 2 * world_size
+        part = padded // world_size
+        lo, hi, offset, kept = part * rank, part * (rank + 1), 0, 0
+        for n in numels:
+            if offset < hi and offset + n > lo:
+                kept += n
+            offset += n
+        return padded * F32, kept * F32, (3 * part + 1) * F32
+    part = sum(-(-n // world_size) for n in numels)
+    param = sum(n + -(-n // world_size) if n <= threshold else -(-n // world_size) for n in numels)
+    return param * F32, part * F32, (3 * part + 1) * F32
+
+
+def config(stage, world_size, **kw):
+    return zero.ZeroConfig(stage=stage, world_size=world_size, **{"param_persistence_threshold": 0, **kw})
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_world_size_1_is_the_unsharded_job(timeline, stage):
+    """At world size 1 the state is the unsharded job's, plus exactly what DeepSpeed adds on
+    its own: a float32 master copy of the parameters (4 bytes each) and one step counter for
+    the flat parameter instead of one per parameter."""
+    plain = timeline.unsharded
+    n = plain["n_params"]
+    m = zero.model_rank(timeline, config(stage, 1))
+    assert m["before_update"]["param"] == plain["param_bytes"]
+    assert m["before_update"]["grad"] == plain["param_bytes"]  # every gradient, as unsharded
+    steps = F32 * len(shapes())
+    assert m["before_update"]["optimizer"] == plain["optimizer_bytes"] - steps + F32 + n * F32
+    assert m["sharding"]["gathered_param"] == 0
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 64])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_follows_deepspeed_arithmetic(timeline, stage, world_size):
+    for rank in (0, world_size - 1):
+        m = zero.model_rank(timeline, config(stage, world_size), rank)
+        param, grad, optimizer = deepspeed_bytes(stage, world_size, rank)
+        assert m["before_update"] == {"param": param, "grad": grad, "optimizer": optimizer}, (stage, rank)
+
+
+def test_persistent_parameters_stay_whole(timeline):
+    m = zero.model_rank(timeline, zero.ZeroConfig(stage=3, world_size=2, param_persistence_threshold=40_000))
+    assert m["before_update"]["param"] == deepspeed_bytes(3, 2, 0, threshold=40_000)[0]
+
+
+def test_stage2_keeps_at_most_one_bucket_beyond_its_partition(timeline):
+    bucket = 20_000
+    m = zero.model_rank(timeline, config(2, 2, reduce_bucket_size=bucket))
+    kept = deepspeed_bytes(2, 2, 0)[1]
+    largest = max(math.prod(s) for s in shapes()) * F32
+    assert m["sharding"]["bucket"] == bucket * F32
+    # at the peak: the kept partition, the bucket, and one gradient on its way into it
+    assert m["memory"]["grad_bytes"] + m["sharding"]["unsharded_grad"] <= kept + largest
+    assert m["memory"]["grad_bytes"] + m["sharding"]["unsharded_grad"] + m["sharding"]["bucket"] \
+        <= kept + bucket * F32 + largest
+    # without contiguous gradients, the full gradients wait for their bucket: still at most one bucket's worth
+    loose = zero.model_rank(timeline, config(2, 2, reduce_bucket_size=bucket, contiguous_gradients=False))
+    assert loose["sharding"]["bucket"] == 0
+    assert loose["sharding"]["unsharded_grad"] <= bucket * F32 + largest
+
+
+@pytest.mark.parametrize("max_live", [40_000, 100_000, 10**9])
+def test_stage3_gathers_at_most_max_live(timeline, max_live):
+    m = zero.model_rank(timeline, config(3, 2, max_live_parameters=max_live))
+    largest = max(math.prod(s) for s in shapes())
+    assert 0 < m["sharding"]["gathered_param"] <= max(max_live, largest) * F32
+    # the default reuse distance keeps a tiny model's parameters gathered; none reuse: fewer
+    freed = zero.model_rank(timeline, config(3, 2, max_live_parameters=max_live, max_reuse_distance=0))
+    assert freed["sharding"]["gathered_param"] <= m["sharding"]["gathered_param"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 64])
+def test_stage3_against_fsdp2_sharding(timeline, world_size):
+    """Stage 3 and FSDP2 shard the same state. FSDP2 pads dim 0 of each parameter to a
+    multiple of world_size rows (bench.measure.sharded.shard_numel); DeepSpeed pads its
+    elements: ceil(numel / N) <= ceil(d0 / N) x numel / d0, equal when N divides d0."""
+    m = zero.model_rank(timeline, config(3, world_size))
+    fsdp2 = sum(sharded.shard_numel(s, world_size) for s in shapes()) * F32
+    assert m["before_update"]["param"] <= fsdp2
+    if all(s[0] % world_size == 0 for s in shapes()):
+        assert m["before_update"]["param"] == fsdp2
+
+
+def test_fsdp2_run_equals_stage3_at_2_ranks(timeline):
+    """The simulated FSDP2 run (its measured shards) against the stage-3 model: the same
+    parameter and gradient bytes per rank for gpt2-tiny on 2 ranks (every d0 is even)."""
+    run = sharded.simulate_ranks(job(), 2)
+    for rank, r in enumerate(run):
+        m = zero.model_rank(timeline, config(3, 2), rank)
+        assert r["before_update"]["param"] == m["before_update"]["param"]
+        assert r["before_update"]["grad"] == m["before_update"]["grad"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_equals_deepspeed_on_cpu(timeline, stage):
+    """DeepSpeed itself on 2 CPU processes (gloo): each rank's parameter, gradient and
+    optimizer bytes as its optimizer step begins equal the model's."""
+    cfg = config(stage, 2, reduce_bucket_size=20_000, max_reuse_distance=0)
+    for run in zero.deepspeed_ranks(job(), cfg):
+        m = zero.model_rank(timeline, cfg, run["rank"])
+        assert run["before_update"] == m["before_update"], (stage, run["rank"])
