@@ -24,6 +24,10 @@ it changes; the defaults are plain AdamW training with optional gradient accumul
 - `incompatible`: names of methods it cannot be stacked with.
 - `simulates`: False if the step needs tensor values (bitsandbytes reads one), so it
   cannot run on fake tensors; the suite then plans no simulated job for it.
+- `shards`: whether the method runs under data-parallel sharding (a memory job's
+  `sharding`, docs/sharding.md): True (the default), False, or a tuple of the schemes it
+  runs under (`("fsdp",)`); the suite plans no sharded job for a method that cannot
+  (an error if the method is named).
 - `max_micro_batches`: the most micro-batches the method can split a batch into (None:
   any; 1: no gradient accumulation, e.g. an update fused into backward); `load` rejects
   more (so the config check does, before any job).
@@ -112,6 +116,7 @@ class Method:
     incompatible: frozenset = frozenset()
     plans_per_shape: bool = False
     simulates: bool = True
+    shards: bool | tuple = True
     max_micro_batches: int | None = None
     choices: dict = {}
     ranges: dict = {}

@@ -4,8 +4,10 @@
 and types, then the defaults it states are filled in, then what a schema cannot check:
 that the suite, methods and models exist, that every method module imports, that stacks
 can be built, that hyperparameter overrides name real options with values of the right
-type, that sequences fit the models, and that a method can do what its jobs ask (run on
-fake tensors, split a batch into micro-batches). Every error names the key.
+type, that sequences fit the models, that a method can do what its jobs ask (run on
+fake tensors, split a batch into micro-batches, run sharded), and that a data-parallel
+setting (`world_size`, `sharding`) is one a job of that kind can measure. Every error
+names the key.
 `check` returns the filled config and its jobs (`plan`). Nothing here runs a job.
 """
 from __future__ import annotations
@@ -67,6 +69,9 @@ def fill_defaults(config: dict) -> dict:
                                    ["max_batch"]["default"])
             if kind == "throughput":
                 section.setdefault("baseline", JOB_DEFAULTS["baseline"])
+            if key == "sharded_memory":
+                section.setdefault("tiers", _SUITE["properties"]["sharded_memory"]["properties"]
+                                   ["tiers"]["default"])
     return config
 
 
@@ -149,19 +154,60 @@ def method_params(config: dict, suite: dict, method: str) -> dict:
     return params
 
 
-def _capable(config, suite, method: str, section: dict, kind: str, where: str, named: bool) -> bool:
-    """Whether `method` can do this section's jobs (declared capabilities; loading it with
-    its settings checks their declared values, micro-batches included): a simulated
-    section leaves out a method that cannot run on fake tensors if it came with `all`,
-    and is an error if it is named."""
+def _capable(config, suite, method: str, settings: dict, where: str, named: bool) -> bool:
+    """Whether `method` can do jobs of these settings (declared capabilities; loading it
+    with its settings checks their declared values, micro-batches included): a method that
+    cannot run on fake tensors (`simulates`) in a simulated section, or sharded under the
+    section's scheme (`shards`), is left out if it came with `all`, and is an error if it
+    is named."""
+    from bench.measure.kinds import can_shard
+
     m = _load_method(method, method_params(config, suite, method), f"{where}/methods")
     members = getattr(m, "members", [m])
-    if section.get("simulate") and not all(x.simulates for x in members):
+    if settings.get("simulate") and not all(x.simulates for x in members):
         if named:
             raise ConfigError(f"config key {where}/methods: {method} cannot run on fake "
                               f"tensors (simulate: true)")
         return False
+    scheme = settings.get("sharding", JOB_DEFAULTS["sharding"])
+    if not can_shard(m, scheme):
+        if named:
+            raise ConfigError(f"config key {where}/methods: {method} cannot run sharded (sharding "
+                              f"{scheme}; its `shards` declaration, docs/sharding.md)")
+        return False
     return True
+
+
+def section_axes(key: str, section: dict) -> list[dict]:
+    """The job fields a section varies beside its grid's lists: for `sharded_memory`, each
+    world size x scheme x tier (`simulate`) of its lists, in that order; for the others,
+    nothing ([{}])."""
+    if key != "sharded_memory":
+        return [{}]
+    return [{"world_size": n, "sharding": scheme, "simulate": tier == "simulated"}
+            for n in section["world_sizes"] for scheme in section["shardings"] for tier in section["tiers"]]
+
+
+# The section key that sets a job field through a list (`sharded_memory`'s axes).
+AXIS_KEYS = {"world_size": "world_sizes", "sharding": "shardings", "simulate": "tiers"}
+
+
+def _check_sharding(name: str, key: str, section: dict, kind: str, settings: dict) -> None:
+    """A ConfigError naming the key if a job of these settings cannot have its data-parallel
+    setting (`bench.measure.kinds.sharding_problem`: another kind than memory, a scheme not
+    wired yet, a real run over MAX_REAL_RANKS processes, a device other than cpu)."""
+    from bench.measure.kinds import sharding_problem
+
+    problem = sharding_problem(kind, settings.get("world_size", JOB_DEFAULTS["world_size"]),
+                               settings.get("sharding", JOB_DEFAULTS["sharding"]),
+                               settings.get("simulate", JOB_DEFAULTS["simulate"]),
+                               settings.get("device", JOB_DEFAULTS["device"]))
+    if problem:
+        field, why = problem
+        for k in (field, AXIS_KEYS.get(field)):
+            if k in section:
+                raise ConfigError(f"config key suites/{name}/{key}/{k}: {why}")
+        raise ConfigError(f"config key suites/{name}/{field}: {why} (the {key} section's jobs)")
 
 
 def plan(config: dict) -> dict[str, Job]:
@@ -184,10 +230,14 @@ def plan(config: dict) -> dict[str, Job]:
             continue
         where = f"suites/{name}/{key}"
         entries = section.get("methods", suite["methods"])
-        kind_methods = (resolve_methods(section["methods"], f"{where}/methods")
-                        if "methods" in section else methods)
-        kind_methods = [m for m in kind_methods
-                        if _capable(config, suite, m, section, kind, where, named=m in entries)]
+        candidates = (resolve_methods(section["methods"], f"{where}/methods")
+                      if "methods" in section else methods)
+        settings = job_settings(suite, section)
+        axes = []  # per axis: its settings and the methods that can do its jobs
+        for axis in section_axes(key, section):
+            _check_sharding(name, key, section, kind, {**settings, **axis})
+            axes.append((axis, [m for m in candidates if _capable(config, suite, m, {**settings, **axis},
+                                                                  where, named=m in entries)]))
         if kind == "throughput":
             base = section["baseline"]
             resolve_methods([base] if isinstance(base, str) else list(base.values()),
@@ -197,23 +247,24 @@ def plan(config: dict) -> dict[str, Job]:
             if section["seq_len"] > max_positions(model):
                 raise ConfigError(f"config key {where}/seq_len: {section['seq_len']} exceeds "
                                   f"{model}'s {max_positions(model)} positions")
-        settings = job_settings(suite, section)
         # a capacity job searches batch sizes up to max_batch
         batches = [section["max_batch"]] if kind == "capacity" else section["batch_sizes"]
-        for task in section["tasks"]:
-            for model in section["models"]:
-                if "pretrain" in section:  # fine-tuning: every job starts from its weights
-                    path, pretrain = pretrain_job(config, name, section["pretrain"], model, f"{where}/pretrain")
-                    jobs[path] = pretrain
-                    settings["init"] = weights_path(path)
-                for method in kind_methods:
-                    for batch in batches:
-                        job = Job(**{**settings, "kind": kind, "method": method, "model": model,
-                                     "batch_size": batch, "task": task,
-                                     "hparams": method_params(config, suite, method)})
-                        if kind == "throughput":
-                            job.baseline = baseline_of(section, method)
-                        jobs.update(seeded(name, job, section, where))
+        for axis, kind_methods in axes:
+            for task in section["tasks"]:
+                for model in section["models"]:
+                    if "pretrain" in section:  # fine-tuning: every job starts from its weights
+                        path, pretrain = pretrain_job(config, name, section["pretrain"], model,
+                                                      f"{where}/pretrain")
+                        jobs[path] = pretrain
+                        settings["init"] = weights_path(path)
+                    for method in kind_methods:
+                        for batch in batches:
+                            job = Job(**{**settings, **axis, "kind": kind, "method": method, "model": model,
+                                         "batch_size": batch, "task": task,
+                                         "hparams": method_params(config, suite, method)})
+                            if kind == "throughput":
+                                job.baseline = baseline_of(section, method)
+                            jobs.update(seeded(name, job, section, where))
     return jobs
 
 
@@ -248,9 +299,10 @@ def _with(job: Job, **fields) -> Job:
     return dataclasses.replace(copy.deepcopy(job), **fields)
 
 
-# A suite's sections and the kind of job each plans: one per kind, and `finetune`, whose
-# convergence jobs start from a model pre-trained by a job of its own (`pretrain_job`).
-SECTIONS = {**{kind: kind for kind in KINDS}, "finetune": "convergence"}
+# A suite's sections and the kind of job each plans: one per kind, `finetune`, whose
+# convergence jobs start from a model pre-trained by a job of its own (`pretrain_job`), and
+# `sharded_memory`, memory jobs at each of its data-parallel settings (`section_axes`).
+SECTIONS = {**{kind: kind for kind in KINDS}, "finetune": "convergence", "sharded_memory": "memory"}
 
 
 def pretrain_job(config: dict, name: str, pretrain: dict, model: str, where: str) -> tuple[str, Job]:
@@ -319,8 +371,10 @@ def groups(jobs: dict[str, Job], suite: str) -> dict[str, list[str]]:
         key, _ = GROUP_BY[job.kind]
         # a pre-training run and the fine-tuning that waits for its weights never share one
         # (nor a tuned run and the grid it reads its learning rate from)
+        # (and data-parallel jobs keep to their own, the others' groups unchanged)
         role = (["pretrain"] if job.save_weights else ["finetune"] if job.init else []) + (
-            ["tuned"] if job.tuned_from else [])
+            ["tuned"] if job.tuned_from else []) + (
+            ["sharded"] if job.world_size > 1 or job.sharding != "none" else [])
         keyed.setdefault(f"{suite}/" + "-".join([getattr(job, k) for k in key] + role), []).append(path)
     out: dict[str, list[str]] = {}
     for gid, paths in keyed.items():

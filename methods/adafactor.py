@@ -122,6 +122,7 @@ class ValueFreeAdafactor(torch.optim.Adafactor):
 
 
 class Adafactor(Method):
+    shards = False  # not under FSDP2: its factored update squares a DTensor in place (aten.pow_: no placement)
     paper = ("Shazeer & Stern, Adafactor: Adaptive Learning Rates with Sublinear Memory Cost, "
              "ICML 2018, arXiv 1804.04235 (torch.optim.Adafactor)")
     # torch's defaults = the paper's recommended settings (lr is the cap of rho_t)

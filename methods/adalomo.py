@@ -104,6 +104,7 @@ class AdaLomoOptimizer(LomoOptimizer):
 
 
 class AdaLomo(Lomo):
+    shards = False  # not under FSDP2: its fused update mixes the sharded gradient (a DTensor) with plain-tensor state
     paper = ("Lv et al., AdaLomo: Low-memory Optimization with Adaptive Learning Rate, "
              "Findings of ACL 2024, arXiv 2310.10195")
     defaults = dict(lr=1e-3, weight_decay=0.0, eps1=1e-30, eps2=1e-3, clip_threshold=1.0,

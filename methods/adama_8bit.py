@@ -9,6 +9,7 @@ from methods.adama import AdamA
 
 
 class AdamA8bit(AdamA):
+    shards = False  # not under FSDP2: its 8-bit moments are plain tensors, folded with sharded (DTensor) gradients
     defaults = {**AdamA.defaults, "state_dtype": "int8"}
 
 

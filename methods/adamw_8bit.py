@@ -14,6 +14,7 @@ class AdamW8bit(Method):
     paper = "Dettmers et al., 8-bit Optimizers via Block-wise Quantization, ICLR 2022 (bitsandbytes)"
     defaults = dict(min_8bit_size=4096)
     simulates = False  # bitsandbytes reads a tensor's value inside its step
+    shards = False  # not under FSDP2 (real run): bitsandbytes' 8-bit update takes plain tensors, not DTensors
     peer_of = "adama_8bit"  # the suite's own block-wise 8-bit Adam moments
     package = "bitsandbytes==0.50.2"
 

@@ -181,6 +181,7 @@ def param_groups(model: torch.nn.Module, hp: dict) -> list[dict]:
 
 
 class APOLLO(Method):
+    shards = False  # not under FSDP2: its random projection, a plain tensor, meets a sharded (DTensor) gradient
     paper = ("Zhu et al., APOLLO: SGD-like Memory, AdamW-level Performance, MLSys 2025, "
              "arXiv 2412.05270")
     defaults = dict(lr=0.01, eps=1e-6, rank=256, update_proj_gap=200, scale=1.0,

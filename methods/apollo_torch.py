@@ -33,6 +33,7 @@ class APOLLOTorch(Method):
     defaults = dict(APOLLO.defaults)
     choices, ranges = APOLLO.choices, APOLLO.ranges
     simulates = False
+    shards = False  # not under FSDP2 (real run): its projection, a plain tensor, meets a DTensor gradient
     peer_of = "apollo"
     package = "apollo-torch==1.0.3"
 

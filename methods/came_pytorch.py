@@ -23,6 +23,7 @@ from methods.came import CAME
 
 
 class CAMEPytorch(Method):
+    shards = False  # not under FSDP2: came-pytorch's step mixes plain-tensor state with sharded (DTensor) gradients
     paper = ("came-pytorch 0.1.3 (CAME), Luo et al., CAME: Confidence-guided Adaptive Memory "
              "Efficient Optimization, ACL 2023, arXiv 2307.02047")
     defaults = dict(CAME.defaults)

@@ -187,6 +187,7 @@ def param_groups(model: torch.nn.Module, hp: dict) -> list[dict]:
 
 
 class GaLore(Method):
+    shards = False  # not under FSDP2: its projected state is a plain tensor updated with sharded (DTensor) gradients
     paper = ("Zhao et al., GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection, "
              "ICML 2024, arXiv 2403.03507")
     # The authors' LLaMA pre-training settings (README; rank 128 is the 60M one).

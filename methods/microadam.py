@@ -292,6 +292,7 @@ class MicroAdamOptimizer(PerParameterOptimizer):
 
 
 class MicroAdam(Method):
+    shards = False  # not under FSDP2: its sparse gradient window is a plain tensor added to sharded (DTensor) gradients
     paper = ("Modoranu et al., MicroAdam: Accurate Adaptive Optimization with Low Space Overhead "
              "and Provable Convergence, NeurIPS 2024, arXiv 2405.15593")
     defaults = dict(m=10, k=0.01, alpha=0.0, topk_block=4096, quant_block=256)

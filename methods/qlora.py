@@ -275,6 +275,7 @@ class NF4Linear(torch.nn.Module):
 
 
 class QLoRA(Method):
+    shards = False  # not under FSDP2: fully_shard rejects its scalar NF4 parameters (absmax_offset)
     paper = ("Dettmers, Pagnoni, Holtzman, Zettlemoyer, QLoRA: Efficient Finetuning of Quantized LLMs, "
              "NeurIPS 2023, arXiv 2305.14314")
     defaults = dict(LoRA.defaults)

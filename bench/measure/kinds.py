@@ -23,7 +23,16 @@ from bench.method import Method, load
 
 
 def measure(job: Job, method: Method) -> dict:
-    """Build the job's model and data, and run its kind (memory, throughput, convergence)."""
+    """Build the job's model and data, and run its kind (memory, throughput, convergence).
+    A memory job with a sharding scheme is measured by the scheme's own code (`SHARDED`)."""
+    problem = sharding_problem(job.kind, job.world_size, job.sharding, job.simulate, job.device)
+    if problem:
+        raise ValueError(problem[1])
+    if job.kind == "memory" and job.sharding != "none":
+        if not can_shard(method, job.sharding):
+            raise ValueError(f"{job.method} cannot run sharded (sharding {job.sharding}; its `shards` "
+                             f"declaration, docs/sharding.md)")
+        return SHARDED[job.sharding](job, method)
     if job.kind == "throughput":  # builds its own pair of models
         return _throughput(job, method)
     fake = step.fake_mode() if job.simulate else None
@@ -34,7 +43,101 @@ def measure(job: Job, method: Method) -> dict:
     else:
         out.update(_convergence(job, method, model, stream))
     out.update(step.loss_scaler_record(model, method))  # float16: the scaling the step ran
+    if job.kind == "memory" and job.world_size > 1:  # sharding none: DDP-style replicas
+        out["sharding"] = {"scheme": "none", "world_size": job.world_size, "rank": 0, "bytes": 0,
+                           "max_rank_peak_bytes": out["memory"]["peak_bytes"], "max_rank_basis": "replicas",
+                           "note": REPLICAS_NOTE}
     return out
+
+
+# -- data parallelism (the job's world_size and sharding; docs/sharding.md) -----------------
+REPLICAS_NOTE = ("DDP-style replicas: every rank holds the whole model, its gradients and optimizer "
+                 "state, so a rank's memory is the single-rank job's; DDP's gradient all-reduce "
+                 "buckets are not modelled")
+MAX_REAL_RANKS = 4  # a real (tracked) sharded run: one process per rank on this machine
+
+
+def _fsdp(job: Job, method: Method) -> dict:
+    """A memory job under FSDP2 (`bench.measure.sharded`). Simulated: rank 0 of world_size
+    on fake tensors, in this process; under FSDP2 rank 0 holds the most (every rank keeps
+    parameter and gradient buffers of the same padded size; rank 0 always owns a whole
+    chunk of rows, so the most optimizer state), so its peak is the largest rank's.
+    Tracked: world_size gloo processes, every rank measured; rank 0's split, and every
+    rank's peak (`rank_peaks_bytes`). `method` is rank 0's (the processes load their own)."""
+    from bench.measure import sharded
+
+    if job.simulate:
+        ranks = [sharded.measure_rank(job, method, job.world_size, 0)]
+        peaks = None
+    else:
+        ranks = sharded.run_ranks(job, job.world_size, threads=job.threads or 1)
+        peaks = [r["memory"]["peak_bytes"] for r in ranks]
+    first = ranks[0]
+    return {"n_params": first["n_params"], "trainable_params": first["trainable_params"],
+            "memory": first["memory"], "first_step_peak_bytes": first["first_step_peak_bytes"],
+            "loss": first["loss"], "before_update": first["before_update"], "after_step": first["after_step"],
+            "sharding": {"scheme": "fsdp", "world_size": job.world_size, "rank": 0, **first["sharding"],
+                         "rank_peaks_bytes": peaks,
+                         "max_rank_peak_bytes": max(peaks) if peaks else first["memory"]["peak_bytes"],
+                         "max_rank_basis": "every rank measured" if peaks else "rank 0 holds the most"}}
+
+
+def _zero(job: Job, method: Method) -> dict:
+    """A memory job under DeepSpeed ZeRO (stage from `job.sharding`), modelled
+    (`bench.measure.zero`): the job's two steps run once on one rank (on fake tensors if
+    `simulate`), then the timeline is replayed with ZeRO's partitioning at world_size: rank
+    0's split (tier "modelled", not a run), and the largest rank's peak (stage 1 and 2 keep
+    the whole gradient of every parameter that overlaps a rank's partition, so ranks differ)."""
+    from bench.measure import zero
+
+    timeline = zero.record_timeline(job, method)
+    ranks = zero.model_ranks(timeline, zero.ZeroConfig(stage=int(job.sharding[-1]), world_size=job.world_size))
+    first, largest = ranks["rank0"], ranks["max"]
+    memory = {**first["memory"], "tracked_peak_bytes": first["memory"]["peak_bytes"],
+              "from_tier": "simulated" if job.simulate else "tracked"}
+    return {"n_params": timeline.unsharded["n_params"], "memory": memory, "before_update": first["before_update"],
+            "sharding": {"scheme": job.sharding, "world_size": job.world_size, "rank": 0, **first["sharding"],
+                         "max_rank": largest["rank"], "max_rank_peak_bytes": largest["memory"]["peak_bytes"],
+                         "max_rank_basis": "modelled for every rank (rank 0 and the last beyond 64)",
+                         "config": first["config"], "deepspeed_version": first["deepspeed_version"]}}
+
+
+# Scheme -> how a memory job measures it: the one place a scheme is switched on. FSDP2 is
+# a run (real gloo processes, or simulated); ZeRO is a model of DeepSpeed's partitioning
+# replayed over one rank's timeline (docs/sharding.md says which rows are which).
+SHARDED = {"fsdp": _fsdp, "zero1": _zero, "zero2": _zero, "zero3": _zero}
+
+
+def can_shard(method: Method, scheme: str) -> bool:
+    """Whether `method` (each member of a stack) runs under the data-parallel `scheme`: its
+    `shards` is True, or a tuple naming the scheme ("none", replicas, always can)."""
+    if scheme == "none":
+        return True
+    return all(m.shards is True or (isinstance(m.shards, tuple) and scheme in m.shards)
+               for m in getattr(method, "members", [method]))
+
+
+def sharding_problem(kind: str, world_size: int, sharding: str, simulate: bool,
+                     device: str) -> tuple[str, str] | None:
+    """(the job field at fault, why) if a job cannot have this data-parallel setting, else
+    None. The config check asks before any job (naming the key), `measure` again."""
+    if world_size == 1 and sharding == "none":
+        return None
+    if kind != "memory":
+        field, value = ("sharding", sharding) if sharding != "none" else ("world_size", world_size)
+        return field, f"{field} {value} applies to memory jobs only, not to {kind} jobs"
+    if sharding == "none":
+        return None  # DDP-style replicas: the single-rank job's memory (REPLICAS_NOTE)
+    if sharding not in SHARDED:
+        return "sharding", f"sharding {sharding}: no code measures or models it (kinds.SHARDED)"
+    if device != "cpu":
+        return "device", (f"sharding {sharding} runs on the cpu device (real gloo processes, or simulated "
+                          f"on fake tensors standing for any GPU), not {device}")
+    if sharding == "fsdp" and not simulate and world_size > MAX_REAL_RANKS:
+        return "world_size", (f"world_size {world_size}: a real (tracked) sharded run spawns one process "
+                              f"per rank on this machine, at most {MAX_REAL_RANKS}; simulate: true "
+                              f"measures any world size up to 1024")
+    return None
 
 
 def attempt(job: Job, fn) -> dict:

@@ -5,7 +5,9 @@ Kinds:
   by category from `MemoryTracker` (tier ``tracked`` on CPU; tier ``measured`` on CUDA,
   where the allocator's peak is the headline and the tracker gives the split; tier
   ``simulated`` with `simulate`: the same step on fake tensors, which hold no memory, so
-  paper-sized models can be measured on a laptop).
+  paper-sized models can be measured on a laptop). With `world_size` and `sharding`: one
+  rank's memory under data parallelism (`none`: DDP-style replicas, the single-rank
+  numbers; `fsdp`: FSDP2, `bench.measure.sharded`; docs/sharding.md).
 - ``throughput``: warm-up steps, then timed steps beside the baseline's, in interleaved
   rounds; the ratio of their tokens/s with a 95% interval. `run_panel` times several
   methods beside one baseline in the same rounds.
@@ -62,6 +64,9 @@ def run(job: Job, method: Method | None = None) -> dict:
                              or job.device != "cpu"):
             raise ValueError("simulate applies to memory and capacity jobs on the cpu device "
                              "only (fake CUDA tensors need a GPU for backward)")
+        problem = kinds.sharding_problem(job.kind, job.world_size, job.sharding, job.simulate, job.device)
+        if problem:  # data parallelism: memory jobs only, the schemes wired (kinds.SHARDED)
+            raise ValueError(problem[1])
         if job.kind in ("capacity", "model_capacity"):
             return _capacity(job, m)
         return kinds.measure(job, m)

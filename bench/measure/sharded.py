@@ -432,6 +432,7 @@ def measure_rank(job: Job, method: Method, world_size: int, rank: int = 0,
             # that the tracker registers the final shards as `param`
             model._get_fsdp_state()._lazy_init()
         out = {"world_size": world_size, "rank": rank, "n_params": models.n_params(model),
+               "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
                "shards": [{"name": name, "shape": list(shapes[name]), "dtype": str(p.dtype),
                            "element_size": p.element_size(),
                            "local_numel": p.to_local().numel(),
@@ -463,7 +464,8 @@ def _memory(job: Job, method: Method, model, stream, fake) -> dict:
     with fake or contextlib.nullcontext(), tracker, cuda_kernels():
         optimizer = method.make_optimizer(model)
         before_update: list = []  # the live split as each optimizer step begins
-        optimizer.register_step_pre_hook(lambda *_: before_update.append(tracker.live_split()))
+        if hasattr(optimizer, "_optimizer_step_pre_hooks"):  # a torch.optim.Optimizer's hooks
+            optimizer.register_step_pre_hook(lambda *_: before_update.append(tracker.live_split()))
         loss = method.train_step(model, optimizer, take_batch())
         tracker.label(method.state_tensors(optimizer), "optimizer")
         out["first_step_peak_bytes"] = tracker.peak
@@ -481,7 +483,9 @@ def _memory(job: Job, method: Method, model, stream, fake) -> dict:
     if fake is not None:
         out["memory"].update(step.predict_gpu(events, None))
     out["sharding"] = {**tracker.sharding_at_peak, "bytes": sum(tracker.sharding_at_peak.values())}
-    out["before_update"] = {c: getattr(before_update[-1], c) for c in ("param", "grad", "optimizer")}
+    # none where the update runs inside backward (LOMO) or the optimizer has no step hooks
+    out["before_update"] = ({c: getattr(before_update[-1], c) for c in ("param", "grad", "optimizer")}
+                            if before_update else None)
     out["after_step"] = {c: getattr(after, c) for c in ("param", "grad", "optimizer")}
     out["events"] = events
     out["_optimizer"] = optimizer

@@ -23,8 +23,9 @@ from bench.recovery import UnreadableResult, read_result
 
 SUMMARY_COLUMNS = [
     "kind", "method", "model", "family", "n_params", "trainable_params", "batch_size", "micro_batches", "seq_len",
-    "dtype", "precision", "device", "device_name", "cpu_id", "memory_tier", "capacity_gb", "peak_bytes",
-    "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "other_bytes",
+    "dtype", "precision", "world_size", "sharding", "device", "device_name", "cpu_id", "memory_tier", "capacity_gb",
+    "peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "other_bytes",
+    "sharding_bytes", "max_rank_peak_bytes",
     "host_peak_bytes", "transfer_bytes", "first_step_peak_bytes", "reserved_peak_bytes", "alloc_retries",
     "tokens_per_s", "baseline",
     "baseline_tokens_per_s", "throughput_ratio", "throughput_ratio_lo", "throughput_ratio_hi",
@@ -44,6 +45,7 @@ def summary_row(record: dict, path: str) -> dict:
     job, prov = record["job"], record.get("provenance", {})
     mem, thr = record.get("memory", {}), record.get("throughput", {})
     hp = record.get("hparams", {})
+    shard = record.get("sharding") or {}  # one rank's data-parallel part (bench.measure.kinds)
     return {
         "kind": job["kind"], "method": job["method"], "model": job["model"],
         "family": family(job["model"]), "n_params": record.get("n_params"),
@@ -51,6 +53,8 @@ def summary_row(record: dict, path: str) -> dict:
         "batch_size": job["batch_size"], "micro_batches": hp.get("micro_batches"),
         "seq_len": job["seq_len"], "dtype": job["dtype"],
         "precision": job.get("precision", "pure"),  # results written before the field: pure
+        # results written before data parallelism: one rank, no sharding
+        "world_size": job.get("world_size", 1), "sharding": job.get("sharding", "none"),
         "device": job["device"],
         "device_name": prov.get("device_name"), "cpu_id": prov.get("cpu_id"),
         "memory_tier": mem.get("tier"),
@@ -58,6 +62,7 @@ def summary_row(record: dict, path: str) -> dict:
         **{k: mem.get(k) for k in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
                                    "activation_bytes", "other_bytes", "host_peak_bytes",
                                    "transfer_bytes", "reserved_peak_bytes", "alloc_retries")},
+        "sharding_bytes": shard.get("bytes"), "max_rank_peak_bytes": shard.get("max_rank_peak_bytes"),
         "first_step_peak_bytes": record.get("first_step_peak_bytes"),
         **{k: thr.get(k) for k in ("tokens_per_s", "baseline", "baseline_tokens_per_s",
                                    "throughput_ratio", "throughput_ratio_lo",

@@ -35,8 +35,8 @@ KINDS = {"memory": ["memory"], "speed": ["throughput"], "convergence": ["converg
          "capacity": ["capacity", "model_capacity"], "trust": ["memory", "throughput"]}
 ON_PAR = 0.02                      # nats/token: a loss gap this small (or an interval holding 0) is "on par"
 NOT_MEASURED = "not measured in this run"
-DEDUPE = ["kind", "method", "model", "batch_size", "seq_len", "dtype", "device", "memory_tier", "capacity_gb",
-          "seed", "task", "phase", "tuning"]
+DEDUPE = ["kind", "method", "model", "batch_size", "seq_len", "dtype", "precision", "world_size", "sharding",
+          "device", "memory_tier", "capacity_gb", "seed", "task", "phase", "tuning"]
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -143,6 +143,8 @@ def memory_savings(frame: pd.DataFrame) -> pd.DataFrame:
     baseline's (%), its range, and each category's median change in % of the baseline's
     peak of the same cell (where the bytes saved come from)."""
     table = memory_table(frame)
+    if len(table):  # one GPU: a sharded row's baseline is the sharded baseline (docs/sharding.md)
+        table = table[(table["world_size"] == 1) & (table["sharding"] == "none")]
     if table.empty:
         return pd.DataFrame(columns=["tier", "method", "cells", "models", "median", "best", "worst"] + CATEGORIES)
     keys = ["model", "batch_size", "seq_len", "device"]

@@ -4,7 +4,8 @@ throughput ratios (which repeat only within noise).
 
     membench compare results/reference/cpu-2core/summary.csv results/summary.csv
 
-A cell is (kind, method, model, batch, sequence, dtype, tier, task, seed, memory size).
+A cell is (kind, method, model, batch, sequence, dtype, tier, task, seed, memory size,
+data-parallel ranks and scheme; a summary from before those columns: one rank, none).
 Cells in only one file are listed, not counted as differences. Exit status 1 if any
 compared number differs.
 """
@@ -17,10 +18,10 @@ import numpy as np
 import pandas as pd
 
 KEY = ["kind", "method", "model", "batch_size", "seq_len", "dtype", "memory_tier", "task", "seed",
-       "capacity_gb"]
+       "capacity_gb", "world_size", "sharding"]
 EXACT = {
     "memory": ["peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
-               "other_bytes", "first_step_peak_bytes"],
+               "other_bytes", "first_step_peak_bytes", "sharding_bytes", "max_rank_peak_bytes"],
     "capacity": ["largest_batch", "peak_bytes"],
     "model_capacity": ["largest_model", "n_params"],
     "convergence": ["final_loss"],
@@ -31,8 +32,17 @@ def _key(row) -> tuple:
     return tuple("" if (isinstance(v, float) and math.isnan(v)) else v for v in row)
 
 
+def one_rank(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame` with `world_size` and `sharding` (from before data parallelism: 1, none)."""
+    frame = frame.copy()
+    frame["world_size"] = frame.get("world_size", pd.Series(1, index=frame.index)).fillna(1).astype(int)
+    frame["sharding"] = frame.get("sharding", pd.Series("none", index=frame.index)).fillna("none").astype(str)
+    return frame
+
+
 def compare(a: pd.DataFrame, b: pd.DataFrame, rtol: float = 0.0) -> tuple[list[str], list[str], int]:
     """(differences, cells in only one file, numbers compared)."""
+    a, b = one_rank(a), one_rank(b)
     diffs, only, compared = [], [], 0
     ia = {_key(r): r for r in a[KEY].assign(_i=range(len(a))).itertuples(index=False)}
     ib = {_key(r): r for r in b[KEY].assign(_i=range(len(b))).itertuples(index=False)}
@@ -54,8 +64,9 @@ def compare(a: pd.DataFrame, b: pd.DataFrame, rtol: float = 0.0) -> tuple[list[s
                 not pd.isna(va) and not pd.isna(vb) and math.isclose(float(va), float(vb),
                                                                     rel_tol=rtol, abs_tol=0))
             if not same:
+                parallel = f" {key[11]} x{key[10]}" if (key[10], key[11]) != (1, "none") else ""
                 diffs.append(f"{key[0]} {key[1]} {key[2]} bs{key[3]} seq{key[4]} {key[7]} seed{key[8]}"
-                             f" cap{key[9]}: {col} {va} -> {vb}")
+                             f" cap{key[9]}{parallel}: {col} {va} -> {vb}")
     return diffs, only, compared
 
 

@@ -32,7 +32,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from bench.measure.records import atomic_path  # noqa: E402
 from bench.report import fig_throughput_capacity  # noqa: E402
 from bench.report.tables import (BASELINE, CATEGORIES,  # noqa: E402
-                          CONVERGENCE_CELL, MEMORY_CELL, THROUGHPUT_CELL, capacity_table,
+                          CONVERGENCE_CELL, THROUGHPUT_CELL, capacity_table, method_label,
                           convergence_table, largest_model_table, memory_table, method_order,
                           model_order, overview_table, parameters_text, read_curves, read_summary,
                           PHASES, reported, status_text, task_label, throughput_table, tuning_table)
@@ -115,10 +115,31 @@ def _tiers_text(summary_part: pd.DataFrame) -> str:
     return ", ".join(sorted(set(summary_part["memory_tier"].dropna()))) or "unknown"
 
 
-def _method_label(method: str, micro_batches) -> str:
+def _method_label(method: str, micro_batches, world_size=1, sharding="none") -> str:
+    """A bar's label: the method (under data parallelism with its scheme and ranks,
+    `tables.method_label`) and its micro-batches."""
+    label = method_label(method, world_size, sharding)
     if pd.notna(micro_batches) and micro_batches > 1:
-        return f"{method}\n({int(micro_batches)} micro-batches)"
-    return method
+        return f"{label}\n({int(micro_batches)} micro-batches)"
+    return label
+
+
+# a memory panel: one model, batch, sequence and device; its rows, every setting of data
+# parallelism (one GPU, then each sharded setting's methods, labelled "adamw [fsdp x2]")
+MEMORY_PANEL = ["model", "batch_size", "seq_len", "device"]
+
+
+def _panel_rows(part: pd.DataFrame, methods: list[str]) -> list[tuple[str, pd.Series | None]]:
+    """A memory panel's rows as (label, its memory_table row or None: no job): every one-GPU
+    method (where the panel has one-GPU rows), then the sharded rows present, by world size,
+    scheme and method."""
+    one = (part["world_size"] == 1) & (part["sharding"] == "none")
+    single = part[one].set_index("method")
+    out = [(m, single.loc[m] if m in single.index else None) for m in methods] if one.any() else []
+    sharded = part[~one].assign(_o=lambda t: t["method"].map(method_order(t["method"]).index))
+    for _, row in sharded.sort_values(["world_size", "sharding", "_o"]).iterrows():
+        out.append((row["method"], row))
+    return out
 
 
 def figure_memory_breakdown(summary: pd.DataFrame) -> plt.Figure:
@@ -128,26 +149,28 @@ def figure_memory_breakdown(summary: pd.DataFrame) -> plt.Figure:
     if table.empty:
         return no_data_figure(title, "no memory jobs in the summary")
     mem = summary[summary["kind"] == "memory"]
-    methods = method_order(table["method"])
+    one_gpu = table[(table["world_size"] == 1) & (table["sharding"] == "none")]
+    methods = method_order(one_gpu["method"])
     models = model_order(summary, table["model"])
     table = table.assign(_m=table["model"].map(models.index)).sort_values(
         ["_m", "batch_size", "seq_len", "device"])
-    cells = table[MEMORY_CELL].drop_duplicates().to_dict("records")
+    cells = table[MEMORY_PANEL].drop_duplicates().to_dict("records")
     show_device = table["device"].nunique() > 1
     per_model = table.groupby("model")[["batch_size", "seq_len", "device"]].apply(
         lambda g: len(g.drop_duplicates())).max()
     colors = category_colors()
+    panels = [_panel_rows(table[_key_match(table, cell, MEMORY_PANEL)], methods) for cell in cells]
+    n_rows = max(len(rows) for rows in panels)
     fig, axes = _grid(len(cells), min(len(cells), int(per_model) if per_model > 1 else 3), 6.2,
-                      0.55 * len(methods) + 1.5)
-    for ax, cell in zip(axes, cells):
-        part = table[_key_match(table, cell, MEMORY_CELL)].set_index("method")
-        ys = np.arange(len(methods))
+                      0.55 * n_rows + 1.5)
+    for ax, cell, rows in zip(axes, cells, panels):
+        part = table[_key_match(table, cell, MEMORY_PANEL)]
+        ys = np.arange(len(rows))
         x_max = np.nanmax(part["peak_mib"].to_numpy(dtype=float), initial=0.0) or 1.0
-        for y, method in zip(ys, methods):
-            if method not in part.index:
+        for y, (method, row) in zip(ys, rows):
+            if row is None:
                 ax.text(x_max * 0.02, y, "no job", va="center", color="0.5", style="italic")
                 continue
-            row = part.loc[method]
             if row["n_ok"] == 0:
                 ax.text(x_max * 0.02, y, f"{row['status']} (no bar)", va="center",
                         color=FAIL_COLOR, fontweight="bold")
@@ -163,18 +186,23 @@ def figure_memory_breakdown(summary: pd.DataFrame) -> plt.Figure:
                 label += f" ({row['pct_vs_baseline']:+.0f}%)"
             if row["status"] != "ok":
                 label += f"  [{row['status']}]"
+            agree = row["tiers_agree"]  # a real run and its simulated twin: the same bytes?
+            if agree is not None and not pd.isna(agree):
+                label += "  (tracked = simulated)" if bool(agree) else "  (tiers differ: mean)"
             ax.text(row["peak_mib"] + x_max * 0.02, y, label, va="center", fontsize=8.5)
-        ax.set_yticks(ys, [_method_label(m, part["micro_batches"].get(m)) for m in methods],
+        ax.set_yticks(ys, [m if row is None else _method_label(m, row["micro_batches"], row["world_size"],
+                                                               row["sharding"]) for m, row in rows],
                       fontsize=9)
-        ax.set_ylim(len(methods) - 0.5, -0.5)
+        ax.set_ylim(n_rows - 0.5, -0.5)
         ax.set_xlim(0, x_max * 1.45)
         ax.set_xlabel("peak memory (MiB)")
         ax.set_title(_cell_title(cell, show_device), fontsize=10)
         ax.grid(axis="y", visible=False)
     handles = [Patch(color=colors[c], label=c) for c in CATEGORIES]
     finish(fig, f"{title} (memory tier: {_tiers_text(mem)}; device: {_devices_text(mem)})",
-           f"Number at each bar: peak MiB (change vs {BASELINE} in the same panel). "
-           "A job that did not finish shows its status in red instead of a bar.",
+           f"Number at each bar: peak MiB (change vs {BASELINE} in the same panel, under the same "
+           f"data-parallel setting). A job that did not finish shows its status in red instead of a bar. "
+           f"A sharded row (\"{BASELINE} [fsdp x2]\") is rank 0's memory of that many ranks.",
            handles, ncol=len(CATEGORIES), title="memory category (stacked left to right)")
     return fig
 

@@ -128,7 +128,7 @@ def memory_section(summary: pd.DataFrame) -> str:
     for _, r in table.iterrows():
         change = "baseline" if r["method"] == BASELINE else pct(r["pct_vs_baseline"])
         rows.append([r["model"], integer(r["batch_size"]), integer(r["seq_len"]), r["device"],
-                     r["method"], integer(r["micro_batches"]), r["status"], num(r["peak_mib"]),
+                     r["label"], integer(r["micro_batches"]), r["status"], num(r["peak_mib"]),
                      change] + [num(r[f"{c}_mib"]) for c in CATEGORIES])
     tiers = ", ".join(sorted(set(summary.loc[summary["kind"] == "memory", "memory_tier"]
                                  .dropna()))) or "unknown"

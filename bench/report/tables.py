@@ -16,13 +16,15 @@ from bench.report.aggregate import CURVE_COLUMNS, SUMMARY_COLUMNS
 
 BASELINE = "adamw"
 MIB = 2 ** 20
-MEMORY_CELL = ["model", "batch_size", "seq_len", "device"]
+# a memory cell's data-parallel setting (world_size, sharding) keeps sharded rows apart from
+# one-GPU rows: a row compares with the baseline under the same setting (`method_label`)
+MEMORY_CELL = ["model", "batch_size", "seq_len", "device", "world_size", "sharding"]
 THROUGHPUT_CELL = ["model", "batch_size", "seq_len", "device"]
 # phase: scratch, pretrain, finetune (aggregate.phase); tuning: fixed or tuned learning rate
 # (aggregate.tuning_role; a tuning grid's own runs are not reported: `reported`)
 CONVERGENCE_CELL = ["task", "model", "phase", "tuning"]
 
-TEXT_COLUMNS = ["kind", "method", "model", "largest_model", "family", "dtype", "device", "device_name",
+TEXT_COLUMNS = ["kind", "method", "model", "largest_model", "family", "dtype", "sharding", "device", "device_name",
                 "cpu_id", "memory_tier", "phase", "tuning", "init", "task", "status", "message", "commit",
                 "torch_version", "date"]
 
@@ -42,7 +44,31 @@ def _tidy(frame: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
     for col in ("kind", "method", "model", "task", "device", "status", "phase", "tuning"):
         if col in frame:
             frame[col] = frame[col].fillna(missing.get(col, "?")).astype(str)
+    return one_rank_defaults(frame)
+
+
+def one_rank_defaults(frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame` with `world_size` and `sharding` filled where missing (rows from before data
+    parallelism: one rank, no sharding), so that they key cells."""
+    if "world_size" in frame and "sharding" in frame and frame["world_size"].notna().all() \
+            and frame["sharding"].notna().all():
+        return frame
+    frame = frame.copy()
+    frame["world_size"] = (frame["world_size"] if "world_size" in frame else pd.Series(1, index=frame.index)
+                           ).fillna(1).astype(int)
+    frame["sharding"] = (frame["sharding"] if "sharding" in frame else pd.Series("none", index=frame.index)
+                         ).astype("object").where(lambda c: c.notna(), "none").astype(str)
     return frame
+
+
+def method_label(method: str, world_size=1, sharding="none") -> str:
+    """A row's method as tables and figures name it: the method, and under data parallelism
+    its scheme and ranks ("adamw [fsdp x2]"; DDP-style replicas: "adamw [ddp x2]")."""
+    world_size = 1 if world_size is None or pd.isna(world_size) else int(world_size)
+    sharding = sharding if isinstance(sharding, str) else "none"
+    if world_size == 1 and sharding == "none":
+        return method
+    return f"{method} [{'ddp' if sharding == 'none' else sharding} x{world_size}]"
 
 
 def read_summary(path: str | Path) -> pd.DataFrame:
@@ -136,22 +162,29 @@ def _pct_vs_baseline(table: pd.DataFrame, cell: list[str], column: str) -> np.nd
 def memory_table(summary: pd.DataFrame) -> pd.DataFrame:
     """One row per (memory cell, method): status, peak and categories in MiB (mean over ok
     seeds), and the change of peak vs the baseline in the same cell (in %)."""
-    mem = summary[summary["kind"] == "memory"]
-    cols = MEMORY_CELL + ["method", "micro_batches", "memory_tier", "device_name", "status",
-                          "message", "n_jobs", "n_ok", "peak_mib", "pct_vs_baseline"] + \
-        [f"{c}_mib" for c in CATEGORIES]
+    mem = one_rank_defaults(summary[summary["kind"] == "memory"])
+    cols = MEMORY_CELL + ["method", "label", "micro_batches", "memory_tier", "tiers_agree", "device_name",
+                          "status", "message", "n_jobs", "n_ok", "peak_mib", "pct_vs_baseline"] + \
+        [f"{c}_mib" for c in CATEGORIES] + ["sharding_mib", "max_rank_peak_mib"]
     rows = []
     for key, g in group_cells(mem, MEMORY_CELL + ["method"]):
         ok = g[g["status"] == "ok"]
         row = dict(zip(MEMORY_CELL + ["method"], key))
-        row.update(micro_batches=g["micro_batches"].max(),
+        tiers = sorted(set(ok["memory_tier"].dropna()))
+        row.update(label=method_label(row["method"], row["world_size"], row["sharding"]),
+                   micro_batches=g["micro_batches"].max(),
                    memory_tier=", ".join(sorted(set(g["memory_tier"].dropna()))) or None,
+                   # tiers that measured the same cell (a sharded run and its simulated twin):
+                   # whether they gave the same peak (None: one tier)
+                   tiers_agree=bool(ok["peak_bytes"].nunique() == 1) if len(tiers) > 1 else None,
                    device_name=first_message(g["device_name"]) or None,
                    status=status_text(g["status"]), message=first_message(g["message"]),
                    n_jobs=len(g), n_ok=len(ok),
                    peak_mib=ok["peak_bytes"].mean() / MIB if len(ok) else np.nan)
         for c in CATEGORIES:
             row[f"{c}_mib"] = ok[f"{c}_bytes"].mean() / MIB if len(ok) else np.nan
+        row["sharding_mib"] = ok["sharding_bytes"].mean() / MIB if len(ok) else np.nan
+        row["max_rank_peak_mib"] = ok["max_rank_peak_bytes"].mean() / MIB if len(ok) else np.nan
         rows.append(row)
     table = pd.DataFrame(rows, columns=cols)
     if table.empty:
@@ -338,8 +371,8 @@ def simulation_accuracy_table(summary: pd.DataFrame) -> pd.DataFrame:
     """Simulated predictions beside GPU measurements of the same cell (method, model,
     batch, sequence, dtype): measured / simulated peak allocated bytes, and measured /
     predicted reserved bytes. Empty until a GPU has run cells the simulation also ran."""
-    keys = ["method", "model", "batch_size", "seq_len", "dtype"]
-    mem = summary[(summary["kind"] == "memory") & (summary["status"] == "ok")]
+    keys = ["method", "model", "batch_size", "seq_len", "dtype", "world_size", "sharding"]
+    mem = one_rank_defaults(summary[(summary["kind"] == "memory") & (summary["status"] == "ok")])
     sim = mem[mem["memory_tier"] == "simulated"].groupby(keys)[["peak_bytes", "reserved_peak_bytes"]].mean()
     gpu = mem[mem["memory_tier"] == "measured"]
     gpu = gpu.groupby(keys).agg(peak_bytes=("peak_bytes", "mean"),
@@ -435,7 +468,7 @@ def claim_table(summary: pd.DataFrame, claims: list[dict]) -> pd.DataFrame:
     (per throughput cell), `final_loss_gap` (final loss minus the other method's, paired by
     seed, per task and model). `ours` gives the range over cells; `n` counts them.
     """
-    frame = summary.copy()
+    frame = one_rank_defaults(summary.copy())
     frame["state_bytes"] = frame[["param_bytes", "grad_bytes", "optimizer_bytes"]].sum(axis=1, min_count=3)
     # an answer at the ladder's top is only a lower bound: such pairs say nothing of the ratio
     frame["n_params_inside_ladder"] = frame["n_params"].where(frame["at_ladder_top"] != 1)
@@ -455,7 +488,7 @@ def claim_table(summary: pd.DataFrame, claims: list[dict]) -> pd.DataFrame:
 def claim_pairs(summary: pd.DataFrame, claim: dict) -> pd.DataFrame:
     """The cells behind one claim's `ours` in `claim_table`: the claim's method (`m`) and
     the method it is compared with (`v`) side by side on the metric's cell keys."""
-    frame = summary.copy()
+    frame = one_rank_defaults(summary.copy())
     frame["state_bytes"] = frame[["param_bytes", "grad_bytes", "optimizer_bytes"]].sum(axis=1, min_count=3)
     frame["n_params_inside_ladder"] = frame["n_params"].where(frame["at_ladder_top"] != 1)
     kind, value, keys, _ = CLAIM_METRICS[claim["metric"]]

@@ -103,6 +103,7 @@ class Roam(Method):
     plans_per_shape = True  # the first step at a batch shape is traced and planned
     max_micro_batches = 1  # it plans one whole training step
     loss_scaling = False  # the traced step's AdamW update takes the gradients unscaled
+    shards = False  # not under FSDP2: tracing the step meets the process group its hooks hold
     choices = {"planner": planners.PLANNERS, "layout": LAYOUTS}
 
     def __init__(self):
