@@ -146,7 +146,7 @@ def memory_savings(frame: pd.DataFrame) -> pd.DataFrame:
     if len(table):  # one GPU: a sharded row's baseline is the sharded baseline (docs/sharding.md)
         table = table[(table["world_size"] == 1) & (table["sharding"] == "none")]
     if table.empty:
-        return pd.DataFrame(columns=["tier", "method", "cells", "models", "median", "best", "worst"] + CATEGORIES)
+        return pd.DataFrame(columns=["tier", "method", "cells", "models", "median", "best", "worst"] + list(CATEGORIES))
     keys = ["model", "batch_size", "seq_len", "device"]
     base = table[table["method"] == BASELINE].set_index(keys)
     rows = []
