@@ -21,6 +21,14 @@ run's trace replays on (`smallest_gpu`: under a cap the allocator frees its cach
 retries, so the unlimited reserve overstates what fits). A memory size where the warm-up's
 own trace does not fit gets 0 with no run (every step's trace starts with the warm-up's).
 The boundary is run, not extrapolated: the largest batch fits and the next one does not.
+The steps count no FLOPs (fit reports none; `StepCost` would cost a dispatch mode per
+operator).
+
+Methods are answered in `--jobs` worker processes (default: one per core this process may
+use), each importing torch once and answering one method after another; a method's job
+description (`tasks`: `answer`'s arguments as a dict) is all a worker receives. Their
+progress lines come to this process's stderr as they are printed; the rows keep the order
+the methods were asked in, and a method's rows are the same from any worker.
 
 A model that cannot be built, or whose step fails for every method, is one line on stderr
 naming why, and exit code 2. A method that fails alone is a row with its message.
@@ -30,7 +38,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
+import threading
 import time
 
 from bench import models
@@ -108,8 +118,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-implementation", default=d["attn_implementation"],
                    choices=PROPERTIES["attn_implementation"]["enum"])
     p.add_argument("--seed", type=number(int, least["seed"]), default=d["seed"])
+    p.add_argument("--jobs", type=number(int, 1), default=default_jobs(), metavar="N",
+                   help="methods answered at once, each in a worker process (default: the cores "
+                        "this process may use, %(default)s)")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the rows as JSON")
     return p
+
+
+def default_jobs() -> int:
+    """The cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def simulable_methods() -> list[str]:
@@ -175,8 +196,7 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
 
     def failed(message: str) -> list[dict]:
         print(f"{label} error: {message}", file=sys.stderr, flush=True)
-        return [{**base, "memory_gb": gb, "status": "error", "message": message}
-                for gb in sorted(memory_gb)]
+        return error_rows(base, memory_gb, message)
 
     try:
         loaded = load(method)
@@ -191,7 +211,7 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
     print(f"{label} building {model} on fake tensors, a warm-up step at batch {unit}, "
           f"then the step at batch {batch_size}",
           file=sys.stderr, flush=True)
-    oracle = capacity.Oracle(job, unit, log_prefix=label)
+    oracle = capacity.Oracle(job, unit, log_prefix=label, cost=False)  # rows hold no FLOPs
     oracle.need(batch_size)
     record = oracle.records[batch_size]
     if record["status"] != "ok":
@@ -237,6 +257,11 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
     return rows
 
 
+def error_rows(base: dict, memory_gb: list[float], message: str) -> list[dict]:
+    """A method's rows when its question has no answer: one per memory size, saying why."""
+    return [{**base, "memory_gb": gb, "status": "error", "message": message} for gb in sorted(memory_gb)]
+
+
 def smallest_gpu(trace: list, memory: dict, resolution: int = 2**26) -> int:
     """About the smallest GPU (to `resolution` bytes) on which `trace` replays without
     running out of memory: between the allocated peak and the reserve of an unlimited
@@ -259,20 +284,100 @@ def run(model: str, methods: list[str], memory_gb: list[float], batch_size: int,
         dtype: str = FIT_DEFAULTS["dtype"], max_batch: int = FIT_DEFAULTS["max_batch"],
         seed: int = FIT_DEFAULTS["seed"],
         attn_implementation: str = FIT_DEFAULTS["attn_implementation"],
-        precision: str = FIT_DEFAULTS["precision"]) -> list[dict]:
-    """Every method's rows (see `answer`); FitError when the model cannot be built or the
-    dtype and precision cannot go together."""
+        precision: str = FIT_DEFAULTS["precision"], jobs: int = 1) -> list[dict]:
+    """Every method's rows (see `answer`), in the order of `methods`, `jobs` methods at once
+    (worker processes; 1: here, one after another); FitError when the model cannot be built
+    or the dtype and precision cannot go together."""
     from bench.measure.step import precision_error
 
     problem = precision_error(dtype, precision)
     if problem:
         raise FitError(problem)
     check_model(model, seq_len, attn_implementation)
-    rows = []
-    for i, method in enumerate(methods, 1):
-        rows += answer(model, method, memory_gb, batch_size, seq_len, dtype, max_batch, seed,
-                       attn_implementation, label=f"[{i}/{len(methods)}] {method}:",
-                       precision=precision)
+    return answer_all(tasks(model, methods, memory_gb, batch_size, seq_len, dtype, max_batch, seed,
+                            attn_implementation, precision), jobs)
+
+
+def tasks(model: str, methods: list[str], memory_gb: list[float], batch_size: int, seq_len: int,
+          dtype: str, max_batch: int, seed: int, attn_implementation: str, precision: str) -> list[dict]:
+    """One job description per method: `answer`'s arguments, what a worker receives."""
+    return [dict(model=model, method=method, memory_gb=list(memory_gb), batch_size=batch_size,
+                 seq_len=seq_len, dtype=dtype, max_batch=max_batch, seed=seed,
+                 attn_implementation=attn_implementation, precision=precision,
+                 label=f"[{i}/{len(methods)}] {method}:")
+            for i, method in enumerate(methods, 1)]
+
+
+def answer_all(todo: list[dict], jobs: int = 1) -> list[dict]:
+    """Every task's rows (`answer(**task)`), in the order of `todo`: here one after another
+    with `jobs` 1 (or one task), else in min(jobs, tasks) worker processes, whose stderr
+    lines are written to this process's stderr as they come."""
+    jobs = max(1, min(jobs, len(todo)))
+    if jobs == 1:
+        return [row for task in todo for row in answer(**task)]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads
+    lines = context.Queue()
+    relay = threading.Thread(target=_relay, args=(lines, sys.stderr), daemon=True)
+    relay.start()
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_start,
+                                 initargs=(lines,)) as pool:
+            futures = [pool.submit(_answer_task, task) for task in todo]
+            rows = []
+            for task, future in zip(todo, futures):
+                try:
+                    rows += future.result()
+                except Exception as e:  # noqa: BLE001 - a worker that died: its method's rows say so
+                    base = {k: task[k] for k in ("model", "method", "batch_size", "seq_len", "dtype",
+                                                 "precision")}
+                    rows += error_rows({**base, "n_params": None, "fits": False, "predicted_gpu_bytes": None,
+                                        "largest_batch": None}, task["memory_gb"], _line(e))
+    finally:
+        lines.put(None)  # after every worker has exited, so after all their lines
+        relay.join()
+    return rows
+
+
+def _relay(lines, stream) -> None:
+    """Write the workers' stderr lines to `stream` until a None comes."""
+    while (line := lines.get()) is not None:
+        stream.write(line)
+        stream.flush()
+
+
+class _LineWriter:
+    """A worker's stderr: each whole line goes to the parent's relay queue."""
+
+    def __init__(self, lines):
+        self.lines, self.buffer = lines, ""
+
+    def write(self, text: str) -> int:
+        self.buffer += text
+        if "\n" in self.buffer:
+            done, _, self.buffer = self.buffer.rpartition("\n")
+            self.lines.put(done + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _worker_start(lines) -> None:
+    sys.stderr = _LineWriter(lines)
+    import torch
+
+    torch.set_num_threads(1)  # fake tensors compute nothing; the other cores are the other workers'
+
+
+def _answer_task(task: dict) -> list[dict]:
+    rows = answer(**task)
+    sys.stderr.flush()
     return rows
 
 
@@ -353,7 +458,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     try:
         rows = run(args.model, methods, args.memory_gb, args.batch_size, args.seq_len,
-                   args.dtype, args.max_batch, args.seed, args.attn_implementation, args.precision)
+                   args.dtype, args.max_batch, args.seed, args.attn_implementation, args.precision,
+                   args.jobs)
     except FitError as e:
         print(f"membench fit: error: {e}", file=sys.stderr)
         return 2

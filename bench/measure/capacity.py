@@ -30,6 +30,7 @@ interpolated guess) and `largest_fitting` (gallop and bisect to the boundary).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -202,10 +203,13 @@ class _Simulation:
     step's allocation trace for the allocator model is the warm-up's, then the changes
     of the persistent state since (storages freed, storages made), then the step's own,
     so the replay sees a step that follows a warm-up. Half the work of a fresh memory job
-    per batch size, and the same live bytes (tests hold it)."""
+    per batch size, and the same live bytes (tests hold it). `cost`: count the step's
+    FLOPs and bytes moved (`StepCost`, a dispatch mode of its own on every operator); off,
+    a record's `cost` is None and the step runs faster (`membench fit` reports no cost)."""
 
-    def __init__(self, job: Job, unit: int):
+    def __init__(self, job: Job, unit: int, cost: bool = True):
         self.job = job
+        self.cost = cost
         self.method = load(job.method, job.hparams)
         self.fake = step.fake_mode()
         warm = replace(job, kind="memory", batch_size=unit)
@@ -246,26 +250,30 @@ class _Simulation:
             if self.method.plans_per_shape:  # this shape's planning step first
                 self.method.train_step(self.model, self.optimizer, batch)
             self.tracker.reset_peak()
-            with StepCost() as cost:
+            with StepCost() if self.cost else contextlib.nullcontext() as cost:
                 self.method.train_step(self.model, self.optimizer, batch)
             self.tracker.label(self.method.state_tensors(self.optimizer), "optimizer")
             del batch
-        cost.add_periodic(self.optimizer)
+        if cost is not None:
+            cost.add_periodic(self.optimizer)
         trace += self.events[mark:]
         del self.events[mark:]
         split = self.tracker.peak_split.as_row()
         memory = {"tier": "simulated", **split, **step.predict_gpu(trace, None)}
         return {"status": "ok", "message": None, "memory": memory, "n_params": self.n_params,
-                "cost": cost.result()}, trace
+                "cost": cost.result() if cost is not None else None}, trace
 
 
 class Oracle:
     """Runs memory jobs at a batch size (each batch once) and answers fits(B, C): from
-    that run's bytes when simulated or tracked, by a run capped at C on CUDA."""
+    that run's bytes when simulated or tracked, by a run capped at C on CUDA. `cost`: a
+    simulated run's record keeps the step's cost (see `_Simulation`)."""
 
-    def __init__(self, job: Job, unit: int, runs: list | None = None, log_prefix: str | None = None):
+    def __init__(self, job: Job, unit: int, runs: list | None = None, log_prefix: str | None = None,
+                 cost: bool = True):
         self.job = replace(job, kind="memory", capacity_gb=None)
         self.unit = unit
+        self.cost = cost
         self.sim: _Simulation | None = None
         self.simulated = job.simulate
         self.cuda = job.device.startswith("cuda")
@@ -287,7 +295,7 @@ class Oracle:
     def _simulate(self, batch: int) -> tuple[dict, list | None]:
         try:
             if self.sim is None:
-                self.sim = _Simulation(self.job, self.unit)
+                self.sim = _Simulation(self.job, self.unit, self.cost)
             return self.sim.measure(batch)
         except Exception as e:  # recorded as the search's error, like a failed memory job
             return {"status": "error", "message": step.error_message(e, simulated=True)}, None

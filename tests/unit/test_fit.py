@@ -182,6 +182,7 @@ def test_help_works_and_the_one_job_cli_is_unchanged():
     (["--max-batch", "0"], "--max-batch", "must be at least 1, not 0"),
     (["--max-batch", "4", "--batch-size", "8"], "--max-batch", "at least --batch-size (8), not 4"),
     (["--seed", "-1"], "--seed", "must be at least 0, not -1"),
+    (["--jobs", "0"], "--jobs", "must be at least 1, not 0"),
 ])
 def test_a_number_the_suite_rejects_is_an_argparse_error_naming_the_flag(capsys, args, flag, why):
     """What config/schema.yaml rejects for a job (batch_size >= 1, seq_len >= 2, seed >= 0,
@@ -199,3 +200,57 @@ def test_the_bounds_themselves_are_accepted():
                                     "--max-batch", "1", "--seed", "0", "--memory-gb", "0.001", "80"])
     assert (args.batch_size, args.seq_len, args.max_batch, args.seed) == (1, 2, 1, 0)
     assert args.memory_gb == [0.001, 80.0]
+
+
+# `membench fit`'s answers on a small model, computed by the code before fit was made
+# faster (FLOPs no longer counted, methods answered in worker processes): the pre-optimisation
+# answers, held fixed. Per method: (n_params, param, grad, optimizer, activation, other, peak
+# bytes of the step at batch 4, its predicted GPU need) and per memory size: (GiB, fits,
+# largest batch, at max batch, the predicted GPU need at the largest batch).
+HELD = dict(model="gpt2-tiny", batch_size=4, seq_len=32, memory_gb=[0.505, 0.51], max_batch=40)
+HELD_ANSWERS = {
+    'adamw': ((495104, 990208, 131840, 1980528, 1906944, 493576, 5503096, 543162368),
+              [(0.505, False, 0, False, None), (0.51, True, 11, False, 547356672)]),
+    'checkpointing': ((495104, 990208, 990208, 1980528, 0, 992260, 4953204, 543162368),
+                      [(0.505, False, 0, False, None), (0.51, True, 20, False, 547356672)]),
+    'grad_accum': ((495104, 990208, 990208, 1980528, 0, 992260, 4953204, 543162368),
+                   [(0.505, False, 0, False, None), (0.51, True, 36, False, 547356672)]),
+    'lomo': ((495104, 990208, 0, 0, 1906944, 886792, 3783944, 541065216),
+             [(0.505, True, 4, False, 541065216), (0.51, True, 14, False, 547356672)]),
+    'galore_layerwise': ((495104, 990208, 0, 2242560, 1906944, 886792, 6026504, 543162368),
+                         [(0.505, False, 0, False, None), (0.51, True, 10, False, 547356672)]),
+    'qlora': ((560640, 537728, 20480, 262208, 1885696, 603144, 3309256, 541065216),
+              [(0.505, True, 4, False, 541065216), (0.51, True, 14, False, 547356672)]),
+}
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_answers_are_the_pre_optimisation_ones_with_any_number_of_workers(jobs, tmp_path):
+    import contextlib
+    import io
+
+    out, err = tmp_path / "rows.json", io.StringIO()
+    methods = list(HELD_ANSWERS)
+    with contextlib.redirect_stderr(err):
+        code = fit.main(["--model", HELD["model"], "--methods", *methods,
+                         "--batch-size", str(HELD["batch_size"]), "--seq-len", str(HELD["seq_len"]),
+                         "--memory-gb", *map(str, HELD["memory_gb"]), "--max-batch", str(HELD["max_batch"]),
+                         "--jobs", str(jobs), "--json", str(out)])
+    assert code == 0, err.getvalue()
+    rows = json.loads(out.read_text())
+    # the asked order, whichever worker answered first
+    assert [(r["method"], r["memory_gb"]) for r in rows] == [(m, gb) for m in methods for gb in HELD["memory_gb"]]
+    got = {}
+    for r in rows:
+        assert r["status"] == "ok", r["message"]
+        step = (r["n_params"], *(r[f"{c}_bytes"] for c in ("param", "grad", "optimizer", "activation", "other",
+                                                          "peak")), r["predicted_gpu_bytes"])
+        got.setdefault(r["method"], (step, []))[1].append(
+            (r["memory_gb"], r["fits"], r["largest_batch"], r["at_max_batch"], r["predicted_gpu_bytes_at_largest"]))
+        assert got[r["method"]][0] == step  # the step at --batch-size, the same in every size's row
+    assert got == {m: (step, sizes) for m, (step, sizes) in HELD_ANSWERS.items()}
+    # every worker's progress comes to this process's stderr, a whole line at a time
+    lines = err.getvalue().splitlines()
+    for i, m in enumerate(methods, 1):
+        assert any(x.startswith(f"[{i}/{len(methods)}] {m}: batch 4 -> ") for x in lines), m
+        assert any(x.startswith(f"[{i}/{len(methods)}] {m}: 0.505 GiB: ") for x in lines), m
