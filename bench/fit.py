@@ -246,6 +246,9 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
                      "predicted_gpu_bytes": memory["predicted_gpu_bytes"],
                      **{f"{c}_bytes": memory[f"{c}_bytes"] for c in CATEGORIES},
                      "peak_bytes": memory["peak_bytes"],
+                     # what offloading keeps in host memory at --batch-size (the warm-up,
+                     # at a smaller batch, keeps no more): not a limit of the search
+                     "host_peak_bytes": memory.get("host_peak_bytes", 0),
                      "largest_batch": k * unit, "at_max_batch": k == most,
                      "predicted_gpu_bytes_at_largest":
                          largest["memory"]["predicted_gpu_bytes"] if k and largest else None})
@@ -398,8 +401,9 @@ def table(rows: list[dict]) -> str:
              f"training step at batch {first['batch_size']} x {first['seq_len']} tokens, "
              f"{precision_text(first)}, simulated on fake tensors; GPU need = the caching-allocator "
              f"model's peak reserve + {size(CUDA_CONTEXT_BYTES)} {name} CUDA context; sizes in {name}"]
-    head = ("method", "param", "grad", "optim", "activ", "other", "peak", "GPU need", "fits",
-            "largest batch")
+    hosted = any(r.get("host_peak_bytes") for r in ok)  # a host column where a method offloads
+    head = ("method", "param", "grad", "optim", "activ", "other", "peak", "GPU need") + \
+        (("host",) if hosted else ()) + ("fits", "largest batch")
     width = max([len(head[0])] + [len(r["method"]) for r in rows])
     fmt = f"{{:<{width}}}" + "".join(f"  {{:>{max(6, len(h))}}}" for h in head[1:-1]) + "  {}"
     starred = False
@@ -412,9 +416,13 @@ def table(rows: list[dict]) -> str:
             star = r["fits"] and r["predicted_gpu_bytes"] > gb * GiB
             starred |= star
             largest = f"{r['largest_batch']}{'+' if r.get('at_max_batch') else ''}"
+            host = (size(r.get("host_peak_bytes") or 0),) if hosted else ()
             lines.append(fmt.format(r["method"], *(size(r[f"{c}_bytes"]) for c in CATEGORIES),
-                                    size(r["peak_bytes"]), size(r["predicted_gpu_bytes"]),
+                                    size(r["peak_bytes"]), size(r["predicted_gpu_bytes"]), *host,
                                     ("yes*" if star else "yes") if r["fits"] else "no", largest))
+    if hosted:
+        lines += ["", "host: host memory the method keeps (offloading), at the step's batch; GPU memory "
+                      "sizes do not limit it"]
     if starred:
         lines += ["", "yes*: fits although the need is above the size: the allocator frees its "
                       "cached blocks and retries before it runs out of memory"]

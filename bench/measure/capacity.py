@@ -259,7 +259,8 @@ class _Simulation:
         trace += self.events[mark:]
         del self.events[mark:]
         split = self.tracker.peak_split.as_row()
-        memory = {"tier": "simulated", **split, **step.predict_gpu(trace, None)}
+        # host memory (offloading): the ledger's high-water mark so far in this process
+        memory = {"tier": "simulated", **split, **step.predict_gpu(trace, None), **self.tracker.host_row()}
         return {"status": "ok", "message": None, "memory": memory, "n_params": self.n_params,
                 "cost": cost.result() if cost is not None else None}, trace
 

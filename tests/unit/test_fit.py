@@ -254,3 +254,20 @@ def test_answers_are_the_pre_optimisation_ones_with_any_number_of_workers(jobs, 
     for i, m in enumerate(methods, 1):
         assert any(x.startswith(f"[{i}/{len(methods)}] {m}: batch 4 -> ") for x in lines), m
         assert any(x.startswith(f"[{i}/{len(methods)}] {m}: 0.505 GiB: ") for x in lines), m
+
+
+def test_host_memory_is_the_memory_jobs_and_printed_where_a_method_offloads(tiny_job, capsys):
+    """offload_optimizer keeps its AdamW state in host memory: fit's host bytes equal a
+    simulated memory job's at the same batch, and the table gets a host column."""
+    code = fit.main(["--model", "gpt2-tiny", "--methods", "offload_optimizer", "adamw", "--batch-size", "4",
+                     "--seq-len", "32", "--memory-gb", "0.6", "--max-batch", "8", "--jobs", "1"])
+    assert code == 0
+    out = capsys.readouterr().out
+    alone = runner.run(tiny_job(method="offload_optimizer", model="gpt2-tiny", batch_size=4, seq_len=32,
+                                dtype="bfloat16", simulate=True))
+    host = alone["memory"]["host_peak_bytes"]
+    assert host > 0
+    header = next(line for line in out.splitlines() if line.startswith("method"))
+    assert "host" in header.split()
+    row = next(line for line in out.splitlines() if line.startswith("offload_optimizer"))
+    assert f"{host / 2**20:.1f}" in row.split()
