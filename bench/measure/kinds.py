@@ -168,16 +168,9 @@ def _memory(job: Job, method: Method, model, stream, fake=None) -> dict:
     events = [] if fake is not None else None  # the allocation order, for the allocator model
     tracker = MemoryTracker(capacity_bytes=capacity, round_to=MIN_BLOCK if cuda else 1,
                             events=events, device=job.device if fake is None else "cpu")
-    raw = [step.next_batch(stream, job.device) for _ in range(2)]
+    take_batch = step.batch_feeder(stream, job.device, fake, tracker)
     check = checked if fake is None else (lambda loss, step: None)  # a fake loss has no value
     tracker.register_model(model)
-
-    def take_batch():  # each step's batch exists from its step on, as from a data loader
-        batch = raw.pop(0)
-        if fake is not None:
-            batch = {k: fake.from_tensor(v) for k, v in batch.items()}
-        tracker.register(batch.values(), "other")
-        return batch
 
     out = {}
     kernels = contextlib.nullcontext() if cuda else cuda_kernels()

@@ -449,16 +449,9 @@ def _memory(job: Job, method: Method, model, stream, fake) -> dict:
     """`kinds._memory`'s two steps, with `ShardedTracker`."""
     events: list = []
     tracker = ShardedTracker(events=events)
-    raw = [step.next_batch(stream, job.device) for _ in range(2)]
+    take_batch = step.batch_feeder(stream, job.device, fake, tracker)
     tracker.register_model(model)  # after fully_shard: the sharded parameters
     tracker.watch(model)
-
-    def take_batch():
-        batch = raw.pop(0)
-        if fake is not None:
-            batch = {k: fake.from_tensor(v) for k, v in batch.items()}
-        tracker.register(batch.values(), "other")
-        return batch
 
     out: dict = {}
     with fake or contextlib.nullcontext(), tracker, cuda_kernels():

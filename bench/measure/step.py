@@ -207,6 +207,22 @@ def next_batch(stream: data.Stream, device: str) -> dict:
     return {k: v.to(device) for k, v in stream.next().items()}
 
 
+def batch_feeder(stream: data.Stream, device: str, fake, tracker, steps: int = 2):
+    """A memory measurement's batches: `steps` drawn now (real tokens, before any tracking),
+    then `take()` hands out the next, made fake on fake tensors and registered with
+    `tracker` as `other`: each step's batch exists from its step on, as from a data loader."""
+    raw = [next_batch(stream, device) for _ in range(steps)]
+
+    def take() -> dict:
+        batch = raw.pop(0)
+        if fake is not None:
+            batch = {k: fake.from_tensor(v) for k, v in batch.items()}
+        tracker.register(batch.values(), "other")
+        return batch
+
+    return take
+
+
 def checked(loss: torch.Tensor, step: int) -> float:
     value = float(loss)
     if not math.isfinite(value):

@@ -235,18 +235,11 @@ def record_timeline(job: Job, method: Method) -> Timeline:
     fake = step.fake_mode() if job.simulate else None
     model, stream = step.setup(job, method, fake)
     tracker = TimelineTracker()
-    raw = [step.next_batch(stream, job.device) for _ in range(2)]
+    take_batch = step.batch_feeder(stream, job.device, fake, tracker)
     tracker.register_model(model)
     uses: list = []
     handles = _watch_modules(model, tracker, uses)
     updates, backwards = [], []
-
-    def take_batch():
-        batch = raw.pop(0)
-        if fake is not None:
-            batch = {k: fake.from_tensor(v) for k, v in batch.items()}
-        tracker.register(batch.values(), "other")
-        return batch
 
     with fake or contextlib.nullcontext(), tracker, cuda_kernels():
         optimizer = method.make_optimizer(model)
