@@ -35,6 +35,20 @@ overlap, max(compute, transfer) (`_step_time_overlap_s`; torchtune's and torchao
 streams at best). An offloaded optimizer's host step is counted as GPU operators by the
 cost (its time on the host CPU is not modelled).
 
+Collectives (data parallelism; a memory result's `sharding.collectives.wire_bytes`, the bytes
+each rank sends per step under a ring algorithm: `bench.measure.collectives`): they take
+`wire_bytes / link` seconds (`collective_seconds`, estimated, uncalibrated), each byte at one
+direction's rate (a ring sends and receives at once, as much each way). Inside one node
+(world_size <= `GPUS_PER_NODE`, 8) the link is the GPU's NVLink (`GPU.peer_link_gbs`, per
+direction; a PCIe card: its PCIe link); across nodes (world_size > 8) a ring crosses the
+network, whose per-GPU bandwidth bounds it: min(NVLink, `INTER_NODE_GBS`), an assumption
+(400 Gb/s InfiniBand NDR, one adapter per GPU, as in a DGX/HGX H100: 50 GB/s each way).
+Left out: each collective's latency (a fixed cost per call, per ring step), NCCL's
+achieved fraction of the link (its bus bandwidth is below the spec sheet's), trees, NVLink
+SHARP and in-network reduction, and the overlap of collectives with compute (FSDP2 and
+DeepSpeed prefetch and reduce on streams of their own): compare with the step's compute
+estimate as for host transfers, added (no overlap) or the larger of the two (full overlap).
+
 Known blind spots (say them wherever an estimate is shown): no overlap of operators (CUDA
 streams, NCCL), no fusion (torch.compile, fused optimizers count as their aten ops, a
 foreach op as one launch), the same efficiency for every matmul shape (small matmuls reach
@@ -57,6 +71,8 @@ REFERENCE = Path(__file__).resolve().parent.parent / "results" / "reference" / "
 LAUNCH_S = 5e-6  # per-operator overhead until calibrated (a guess, not a measurement)
 DEFAULT_GPU = "h100-sxm-80gb"
 LABEL = "estimated, uncalibrated"
+GPUS_PER_NODE = 8  # GPUs one node's NVLink joins (an HGX/DGX board); a larger world spans nodes
+INTER_NODE_GBS = 50  # assumed: 400 Gb/s InfiniBand NDR per GPU = 50 GB/s per direction
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,7 @@ class GPU:
     bandwidth_gbs: float  # memory bandwidth, GB/s (10^9 bytes per second)
     source: str
     host_link_gbs: float  # host <-> GPU link, GB/s per direction
+    peer_link_gbs: float  # GPU <-> GPU inside a node (NVLink; a PCIe card: PCIe), GB/s per direction
     notes: str = ""
     launch_s: float = LAUNCH_S
 
@@ -78,31 +95,34 @@ GPUS = {
         {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67, "fp64": 34}, 3350,
         "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column): BF16/FP16 tensor core "
         "1,979 TFLOPS and TF32 989 TFLOPS with sparsity, halved for dense; FP32 67, "
-        "FP64 34 TFLOPS; HBM3 3.35 TB/s; PCIe Gen5 128 GB/s (both directions: 64 GB/s each, x16)",
-        host_link_gbs=64),
+        "FP64 34 TFLOPS; HBM3 3.35 TB/s; PCIe Gen5 128 GB/s (both directions: 64 GB/s each, x16); "
+        "NVLink 900 GB/s (both directions: 450 GB/s each)",
+        host_link_gbs=64, peer_link_gbs=450),
     "a100-sxm-80gb": GPU(
         "NVIDIA A100 SXM 80GB", 80,
         {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5, "fp64": 9.7}, 2039,
         "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column): BF16/FP16 tensor core "
         "312 TFLOPS, TF32 156 TFLOPS (dense; 624 / 312 with sparsity), FP32 19.5, "
-        "FP64 9.7 TFLOPS; HBM2e 2,039 GB/s; PCIe Gen4 64 GB/s (both directions: 32 GB/s each, x16)",
-        host_link_gbs=32),
+        "FP64 9.7 TFLOPS; HBM2e 2,039 GB/s; PCIe Gen4 64 GB/s (both directions: 32 GB/s each, x16); "
+        "NVLink 600 GB/s (both directions: 300 GB/s each)",
+        host_link_gbs=32, peer_link_gbs=300),
     "rtx4090-24gb": GPU(
         "NVIDIA GeForce RTX 4090 24GB", 24,
         {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6, "fp64": 1.29}, 1008,
         "NVIDIA Ada Lovelace GPU architecture whitepaper, appendix table for the RTX 4090: "
         "FP16/BF16 tensor TFLOPS with FP32 accumulate 165.2 dense (330.4 sparse), TF32 "
         "82.6 dense, FP32 82.6 TFLOPS (FP64 1/64 of it); GDDR6X 1,008 GB/s; PCIe Gen4 x16 (PCI-SIG: "
-        "16 GT/s a lane, about 32 GB/s per direction)",
-        host_link_gbs=32,
+        "16 GT/s a lane, about 32 GB/s per direction); no NVLink: GPU to GPU over PCIe, 32 GB/s per direction "
+        "(assumed; GeForce has no peer-to-peer, so NCCL goes through host memory, slower)",
+        host_link_gbs=32, peer_link_gbs=32,
         notes="GeForce: half-rate FP16/BF16 tensor math with the FP32 accumulate PyTorch uses"),
     "v100-sxm2-16gb": GPU(
         "NVIDIA V100 SXM2 16GB", 16,
         {"fp16": 125, "fp32": 15.7, "fp64": 7.8}, 900,
         "NVIDIA Tesla V100 datasheet (V100 SXM2 column; dense, Volta has no sparsity): tensor performance 125 TFLOPS "
         "(FP16), single precision 15.7, double precision 7.8 TFLOPS; HBM2 900 GB/s; PCIe Gen3 32 GB/s (both "
-        "directions: 16 GB/s each)",
-        host_link_gbs=16,
+        "directions: 16 GB/s each); NVLink 300 GB/s (both directions: 150 GB/s each)",
+        host_link_gbs=16, peer_link_gbs=150,
         notes="no BF16 or TF32 tensor cores: bf16 and tf32 matmuls at the FP32 rate (assumed)"),
 }
 
@@ -196,6 +216,21 @@ def transfer_seconds(transfer_bytes: int, gpu: GPU | str) -> float:
     byte at one direction's rate); estimated, uncalibrated."""
     gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
     return transfer_bytes / (gpu.host_link_gbs * 1e9)
+
+
+def collective_link_gbs(world_size: int, gpu: GPU | str) -> float:
+    """GB/s per direction a ring of `world_size` ranks of `gpu` runs at: NVLink inside a
+    node (world_size <= GPUS_PER_NODE), else bounded by the inter-node link (an assumption,
+    `INTER_NODE_GBS`)."""
+    gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
+    return gpu.peer_link_gbs if world_size <= GPUS_PER_NODE else min(gpu.peer_link_gbs, INTER_NODE_GBS)
+
+
+def collective_seconds(wire_bytes: int, world_size: int, gpu: GPU | str) -> float:
+    """Seconds a step's collectives take on `world_size` ranks of `gpu`: `wire_bytes` (what
+    each rank sends, `bench.measure.collectives`) at one direction's rate of the ring's link
+    (`collective_link_gbs`); estimated, uncalibrated (no latency, no overlap)."""
+    return wire_bytes / (collective_link_gbs(world_size, gpu) * 1e9)
 
 
 def estimate_row(cost: dict | None, tokens: int, gpu: str = DEFAULT_GPU,

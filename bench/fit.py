@@ -55,7 +55,8 @@ GiB = 2**30
 # a step of 8 x 512 tokens, the four usual GPU sizes, and a search up to batch 4096 (a
 # suite's capacity search stops at 1024; a 24-80 GiB GPU fits more sequences of a small model).
 FIT_DEFAULTS = dict(batch_size=8, seq_len=512, dtype="bfloat16", precision="pure",
-                    memory_gb=[16, 24, 40, 80], max_batch=4096, attn_implementation="sdpa", seed=0)
+                    memory_gb=[16, 24, 40, 80], max_batch=4096, attn_implementation="sdpa", seed=0,
+                    gpus=[1], sharding=["fsdp"])
 
 
 class FitError(Exception):
@@ -113,6 +114,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=number(float, 0, above=True), nargs="+",
                    default=d["memory_gb"], metavar="GB",
                    help="GPU memory sizes in GiB (default " + " ".join(map(str, d["memory_gb"])) + ")")
+    p.add_argument("--gpus", type=number(int, 1), nargs="+", default=d["gpus"], metavar="N",
+                   help="GPU counts (data-parallel ranks, at most 1024): above 1, each is answered under "
+                        "every --sharding scheme, per GPU (default " + " ".join(map(str, d["gpus"])) + ")")
+    p.add_argument("--sharding", nargs="+", default=d["sharding"], metavar="SCHEME",
+                   choices=PROPERTIES["sharding"]["enum"],
+                   help="how the GPUs share the training state where --gpus is above 1: fsdp (FSDP2 "
+                        "fully_shard per block, simulated: rank 0, which holds the most), zero1, zero2, "
+                        "zero3 (DeepSpeed ZeRO, modelled from one rank's timeline: the largest rank), none "
+                        "(DDP-style replicas: one GPU's answer) (default %(default)s; docs/sharding.md)")
     p.add_argument("--max-batch", type=number(int, 1), default=d["max_batch"],
                    help="the largest batch the search tries (default %(default)s)")
     p.add_argument("--attn-implementation", default=d["attn_implementation"],
@@ -179,18 +189,21 @@ def _line(e: BaseException) -> str:
 def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq_len: int,
            dtype: str, max_batch: int, seed: int = FIT_DEFAULTS["seed"],
            attn_implementation: str = FIT_DEFAULTS["attn_implementation"],
-           label: str | None = None, precision: str = FIT_DEFAULTS["precision"]) -> list[dict]:
-    """One row per memory size for `method`: the simulated step at `batch_size` (its peak by
-    category, the GPU need), whether it fits, and the largest batch that fits."""
-    from bench.measure import allocator, capacity
+           label: str | None = None, precision: str = FIT_DEFAULTS["precision"],
+           world_size: int = 1, sharding: str = "none") -> list[dict]:
+    """One row per memory size for `method` on one of `world_size` GPUs under `sharding`:
+    the simulated step at `batch_size` (its peak by category, the GPU need), whether it
+    fits, and the largest batch that fits (per GPU: every rank trains on `batch_size`)."""
+    from bench.measure import allocator, capacity, kinds
     from bench.method import load
 
     label = label or method
     started = time.perf_counter()
     job = Job(kind="memory", method=method, model=model, batch_size=batch_size, seq_len=seq_len,
               dtype=dtype, precision=precision, seed=seed, attn_implementation=attn_implementation,
-              simulate=True)
-    base = {"model": model, "method": method, "batch_size": batch_size, "seq_len": seq_len,
+              simulate=True, world_size=world_size, sharding=sharding if world_size > 1 else "none")
+    base = {"model": model, "method": method, "world_size": world_size, "sharding": job.sharding,
+            "batch_size": batch_size, "seq_len": seq_len,
             "dtype": dtype, "precision": precision, "n_params": None, "status": "ok", "message": None, "fits": False,
             "predicted_gpu_bytes": None, "largest_batch": None}
 
@@ -205,11 +218,15 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
     if not getattr(loaded, "simulates", True):
         return failed(f"cannot run on fake tensors (the simulated tier): {method} declares "
                       f"simulates = False; measure it on real tensors instead")
+    if not kinds.can_shard(loaded, job.sharding):
+        return failed(f"cannot run sharded (sharding {job.sharding}): {method} declares `shards` "
+                      f"without it (docs/sharding.md)")
     unit = loaded.hp["micro_batches"]
     if batch_size % unit:
         return failed(f"batch size {batch_size} is not divisible by micro_batches={unit} of {method}")
-    print(f"{label} building {model} on fake tensors, a warm-up step at batch {unit}, "
-          f"then the step at batch {batch_size}",
+    print(f"{label} building {model} on fake tensors, " +
+          (f"a warm-up step at batch {unit}, then the step at batch {batch_size}" if job.sharding == "none" else
+           f"{job.sharding} on {world_size} ranks, each batch its own memory job (a warm-up and the step)"),
           file=sys.stderr, flush=True)
     oracle = capacity.Oracle(job, unit, log_prefix=label, cost=False)  # rows hold no FLOPs
     oracle.need(batch_size)
@@ -218,7 +235,8 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
         return failed(record["message"])
     memory = record["memory"]
     sim = oracle.sim
-    persistent = sum(sim.prefix_live.values()) + allocator.CUDA_CONTEXT_BYTES
+    persistent = (sum(sim.prefix_live.values()) + allocator.CUDA_CONTEXT_BYTES if job.sharding == "none"
+                  else record["persistent_bytes"])  # what the ranks keep between steps
     most = max(1, max_batch // unit)
 
     needs: dict[int, int | None] = {}  # batch -> the smallest GPU its trace fits on
@@ -233,7 +251,7 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
     rows = []
     for gb in sorted(memory_gb):
         size = int(gb * GiB)
-        if not allocator.replay_on_gpu(sim.prefix, size).fits:
+        if job.sharding == "none" and not allocator.replay_on_gpu(sim.prefix, size).fits:
             k = 0  # the warm-up's trace, with which every step's trace starts, does not fit
         else:
             guess = capacity.guess_largest(lambda k: oracle.need(k * unit), known, size, most, probes=())
@@ -245,7 +263,9 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
         rows.append({**base, "memory_gb": gb, "n_params": record["n_params"], "fits": fits,
                      "predicted_gpu_bytes": memory["predicted_gpu_bytes"],
                      **{f"{c}_bytes": memory[f"{c}_bytes"] for c in CATEGORIES},
-                     "peak_bytes": memory["peak_bytes"],
+                     "peak_bytes": memory["peak_bytes"], "tier": memory["tier"],
+                     # inside `other`: what sharding adds at the peak (gathered parameters, buffers)
+                     "sharding_bytes": record.get("sharding", {}).get("bytes", 0),
                      # what offloading keeps in host memory at --batch-size (the warm-up,
                      # at a smaller batch, keeps no more): not a limit of the search
                      "host_peak_bytes": memory.get("host_peak_bytes", 0),
@@ -287,10 +307,12 @@ def run(model: str, methods: list[str], memory_gb: list[float], batch_size: int,
         dtype: str = FIT_DEFAULTS["dtype"], max_batch: int = FIT_DEFAULTS["max_batch"],
         seed: int = FIT_DEFAULTS["seed"],
         attn_implementation: str = FIT_DEFAULTS["attn_implementation"],
-        precision: str = FIT_DEFAULTS["precision"], jobs: int = 1) -> list[dict]:
-    """Every method's rows (see `answer`), in the order of `methods`, `jobs` methods at once
-    (worker processes; 1: here, one after another); FitError when the model cannot be built
-    or the dtype and precision cannot go together."""
+        precision: str = FIT_DEFAULTS["precision"], jobs: int = 1, gpus: list[int] = FIT_DEFAULTS["gpus"],
+        sharding: list[str] = FIT_DEFAULTS["sharding"]) -> list[dict]:
+    """Every method's rows (see `answer`) for every layout (`layouts`: GPU count and
+    scheme), in the order of `methods`, `jobs` methods at once (worker processes; 1: here,
+    one after another); FitError when the model cannot be built or the dtype and precision
+    cannot go together."""
     from bench.measure.step import precision_error
 
     problem = precision_error(dtype, precision)
@@ -298,26 +320,45 @@ def run(model: str, methods: list[str], memory_gb: list[float], batch_size: int,
         raise FitError(problem)
     check_model(model, seq_len, attn_implementation)
     return answer_all(tasks(model, methods, memory_gb, batch_size, seq_len, dtype, max_batch, seed,
-                            attn_implementation, precision), jobs)
+                            attn_implementation, precision, layouts(gpus, sharding)), jobs)
+
+
+def layouts(gpus: list[int], sharding: list[str]) -> list[tuple[int, str]]:
+    """(GPU count, scheme) pairs to answer: one GPU alone (no scheme), every scheme at each
+    larger count."""
+    return list(dict.fromkeys((n, "none") if n == 1 else (n, scheme)
+                              for n in gpus for scheme in sharding))
 
 
 def tasks(model: str, methods: list[str], memory_gb: list[float], batch_size: int, seq_len: int,
-          dtype: str, max_batch: int, seed: int, attn_implementation: str, precision: str) -> list[dict]:
-    """One job description per method: `answer`'s arguments, what a worker receives."""
+          dtype: str, max_batch: int, seed: int, attn_implementation: str, precision: str,
+          layouts: list[tuple[int, str]] = ((1, "none"),)) -> list[dict]:
+    """One job description per method: `answer`'s arguments and its `layouts`, what a
+    worker receives (a method's layouts in one worker: ZeRO's share a timeline per batch)."""
     return [dict(model=model, method=method, memory_gb=list(memory_gb), batch_size=batch_size,
                  seq_len=seq_len, dtype=dtype, max_batch=max_batch, seed=seed,
                  attn_implementation=attn_implementation, precision=precision,
-                 label=f"[{i}/{len(methods)}] {method}:")
+                 label=f"[{i}/{len(methods)}] {method}", layouts=[list(x) for x in layouts])
             for i, method in enumerate(methods, 1)]
 
 
+def answer_layouts(task: dict) -> list[dict]:
+    """A task's rows: `answer` at each of its layouts."""
+    task = dict(task)
+    out = []
+    for world_size, sharding in task.pop("layouts"):
+        where = "" if world_size == 1 else f" [{sharding} x{world_size}]"
+        out += answer(**{**task, "label": f"{task['label']}{where}:"}, world_size=world_size, sharding=sharding)
+    return out
+
+
 def answer_all(todo: list[dict], jobs: int = 1) -> list[dict]:
-    """Every task's rows (`answer(**task)`), in the order of `todo`: here one after another
-    with `jobs` 1 (or one task), else in min(jobs, tasks) worker processes, whose stderr
-    lines are written to this process's stderr as they come."""
+    """Every task's rows (`answer_layouts(task)`), in the order of `todo`: here one after
+    another with `jobs` 1 (or one task), else in min(jobs, tasks) worker processes, whose
+    stderr lines are written to this process's stderr as they come."""
     jobs = max(1, min(jobs, len(todo)))
     if jobs == 1:
-        return [row for task in todo for row in answer(**task)]
+        return [row for task in todo for row in answer_layouts(task)]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -336,8 +377,10 @@ def answer_all(todo: list[dict], jobs: int = 1) -> list[dict]:
                 except Exception as e:  # noqa: BLE001 - a worker that died: its method's rows say so
                     base = {k: task[k] for k in ("model", "method", "batch_size", "seq_len", "dtype",
                                                  "precision")}
-                    rows += error_rows({**base, "n_params": None, "fits": False, "predicted_gpu_bytes": None,
-                                        "largest_batch": None}, task["memory_gb"], _line(e))
+                    for world_size, sharding in task["layouts"]:
+                        rows += error_rows({**base, "world_size": world_size, "sharding": sharding,
+                                            "n_params": None, "fits": False, "predicted_gpu_bytes": None,
+                                            "largest_batch": None}, task["memory_gb"], _line(e))
     finally:
         lines.put(None)  # after every worker has exited, so after all their lines
         relay.join()
@@ -379,7 +422,7 @@ def _worker_start(lines) -> None:
 
 
 def _answer_task(task: dict) -> list[dict]:
-    rows = answer(**task)
+    rows = answer_layouts(task)
     sys.stderr.flush()
     return rows
 
@@ -388,9 +431,11 @@ def table(rows: list[dict]) -> str:
     """The rows as text: one table per memory size; sizes in GiB (MiB for a model whose
     peaks are all under 1 GiB)."""
     from bench.measure.allocator import CUDA_CONTEXT_BYTES
+    from bench.report.tables import method_label
 
     if not rows:
         return ""
+    label = {id(r): method_label(r["method"], r.get("world_size", 1), r.get("sharding", "none")) for r in rows}
     ok = [r for r in rows if r["status"] == "ok"]
     first = (ok or rows)[0]
     name, scale = ("GiB", GiB) if max((r["peak_bytes"] for r in ok), default=GiB) >= GiB else ("MiB", 2**20)
@@ -404,22 +449,27 @@ def table(rows: list[dict]) -> str:
     hosted = any(r.get("host_peak_bytes") for r in ok)  # a host column where a method offloads
     head = ("method", "param", "grad", "optim", "activ", "other", "peak", "GPU need") + \
         (("host",) if hosted else ()) + ("fits", "largest batch")
-    width = max([len(head[0])] + [len(r["method"]) for r in rows])
+    width = max([len(head[0])] + [len(name) for name in label.values()])
     fmt = f"{{:<{width}}}" + "".join(f"  {{:>{max(6, len(h))}}}" for h in head[1:-1]) + "  {}"
     starred = False
     for gb in sorted({r["memory_gb"] for r in rows}):
         lines += ["", f"GPU with {gb:g} GiB", fmt.format(*head)]
         for r in (r for r in rows if r["memory_gb"] == gb):
             if r["status"] != "ok":
-                lines.append(f"{r['method']:<{width}}  error: {r['message']}")
+                lines.append(f"{label[id(r)]:<{width}}  error: {r['message']}")
                 continue
             star = r["fits"] and r["predicted_gpu_bytes"] > gb * GiB
             starred |= star
             largest = f"{r['largest_batch']}{'+' if r.get('at_max_batch') else ''}"
             host = (size(r.get("host_peak_bytes") or 0),) if hosted else ()
-            lines.append(fmt.format(r["method"], *(size(r[f"{c}_bytes"]) for c in CATEGORIES),
+            lines.append(fmt.format(label[id(r)], *(size(r[f"{c}_bytes"]) for c in CATEGORIES),
                                     size(r["peak_bytes"]), size(r["predicted_gpu_bytes"]), *host,
                                     ("yes*" if star else "yes") if r["fits"] else "no", largest))
+    if any(r.get("world_size", 1) > 1 for r in ok):
+        lines += ["", "[scheme xN]: one of N GPUs, each training on the batch (per-GPU batch; the global batch is "
+                      "N times it): fsdp = FSDP2 simulated, rank 0 (it holds the most); zero1-3 = DeepSpeed ZeRO "
+                      "modelled, the largest rank; ddp = replicas, one GPU's memory. What sharding adds (gathered "
+                      "parameters, communication buffers) is inside other (docs/sharding.md)"]
     if hosted:
         lines += ["", "host: host memory the method keeps (offloading), at the step's batch; GPU memory "
                       "sizes do not limit it"]
@@ -447,6 +497,8 @@ def precision_text(row: dict) -> str:
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)  # each number's bounds: an argparse error naming the flag, exit 2
+    if max(args.gpus) > PROPERTIES["world_size"]["maximum"]:
+        p.error(f"argument --gpus: at most {PROPERTIES['world_size']['maximum']} GPUs, not {max(args.gpus)}")
     if args.max_batch < args.batch_size:
         p.error(f"argument --max-batch: must be at least --batch-size ({args.batch_size}), "
                 f"not {args.max_batch}")
@@ -467,7 +519,7 @@ def main(argv=None) -> int:
     try:
         rows = run(args.model, methods, args.memory_gb, args.batch_size, args.seq_len,
                    args.dtype, args.max_batch, args.seed, args.attn_implementation, args.precision,
-                   args.jobs)
+                   args.jobs, args.gpus, args.sharding)
     except FitError as e:
         print(f"membench fit: error: {e}", file=sys.stderr)
         return 2

@@ -180,12 +180,16 @@ def _capable(config, suite, method: str, settings: dict, where: str, named: bool
 
 def section_axes(key: str, section: dict) -> list[dict]:
     """The job fields a section varies beside its grid's lists: for `sharded_memory`, each
-    world size x scheme x tier (`simulate`) of its lists, in that order; for the others,
-    nothing ([{}])."""
-    if key != "sharded_memory":
-        return [{}]
-    return [{"world_size": n, "sharding": scheme, "simulate": tier == "simulated"}
-            for n in section["world_sizes"] for scheme in section["shardings"] for tier in section["tiers"]]
+    world size x scheme x tier (`simulate`) of its lists, in that order; for
+    `sharded_model_capacity` (or a `model_capacity` section given them), each world size x
+    scheme (a search per GPU count); the others, nothing ([{}])."""
+    if key == "sharded_memory":
+        return [{"world_size": n, "sharding": scheme, "simulate": tier == "simulated"}
+                for n in section["world_sizes"] for scheme in section["shardings"] for tier in section["tiers"]]
+    if "world_sizes" in section or "shardings" in section:
+        return [{"world_size": n, "sharding": scheme} for n in section.get("world_sizes", [JOB_DEFAULTS["world_size"]])
+                for scheme in section.get("shardings", [JOB_DEFAULTS["sharding"]])]
+    return [{}]
 
 
 # The section key that sets a job field through a list (`sharded_memory`'s axes).
@@ -301,8 +305,10 @@ def _with(job: Job, **fields) -> Job:
 
 # A suite's sections and the kind of job each plans: one per kind, `finetune`, whose
 # convergence jobs start from a model pre-trained by a job of its own (`pretrain_job`), and
-# `sharded_memory`, memory jobs at each of its data-parallel settings (`section_axes`).
-SECTIONS = {**{kind: kind for kind in KINDS}, "finetune": "convergence", "sharded_memory": "memory"}
+# `sharded_memory` and `sharded_model_capacity`, jobs at each of their data-parallel settings
+# (`section_axes`).
+SECTIONS = {**{kind: kind for kind in KINDS}, "finetune": "convergence", "sharded_memory": "memory",
+            "sharded_model_capacity": "model_capacity"}
 
 
 def pretrain_job(config: dict, name: str, pretrain: dict, model: str, where: str) -> tuple[str, Job]:

@@ -31,6 +31,7 @@ interpolated guess) and `largest_fitting` (gallop and bisect to the boundary).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import sys
 import time
@@ -73,7 +74,9 @@ def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
     training step at `job.batch_size` fits each memory size. Rung by rung as the batch
     search goes batch by batch (probes, secant steps on log bytes, then a boundary where
     one size fits and the next does not, both answered as that search answers them), with
-    one shortcut: a size whose weights alone exceed the memory cannot fit, and is not built."""
+    one shortcut: a size whose weights alone exceed the memory cannot fit, and is not built
+    (under FSDP2 or ZeRO-3, a rank's share of them). Under a sharding scheme each rung's
+    step is the scheme's memory job (`_ShardedRuns`): the memory of one of `job.world_size` GPUs."""
     rungs = models.ladder(job.model)
     runs: list[dict] = []
     oracles: dict[int, Oracle] = {}
@@ -87,7 +90,9 @@ def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
 
             with torch.device("meta"):
                 n = models.n_params(models.build(rungs[i], job.attn_implementation))
-            weights[i] = (n, n * step.DTYPES[job.dtype].itemsize)
+            # a rank's share where the scheme shards the parameters (FSDP2, ZeRO-3)
+            share = job.world_size if job.sharding in ("fsdp", "zero3") else 1
+            weights[i] = (n, n * step.DTYPES[job.dtype].itemsize // share)
         return weights[i][1]
 
     def oracle(i: int) -> Oracle:
@@ -265,6 +270,59 @@ class _Simulation:
                 "cost": cost.result() if cost is not None else None}, trace
 
 
+class _ShardedRuns:
+    """A simulated search under a sharding scheme (`job.sharding`, `job.world_size`): each
+    batch a memory job of its own, as the scheme's memory job measures it
+    (`bench.measure.kinds.SHARDED`): FSDP2 on fake tensors and the fake process group,
+    rank 0 (it holds the most: `kinds._fsdp`), or ZeRO modelled from one rank's unsharded
+    timeline, its largest rank. A ZeRO timeline serves every world size and stage: the
+    last job's are kept (`_TIMELINES`). The record's `persistent_bytes` (what the ranks
+    keep between steps, context included) anchors the search's line at batch 0."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.method = load(job.method, job.hparams)
+
+    def measure(self, batch_size: int) -> tuple[dict, list]:
+        from bench.measure import sharded, zero
+
+        job = replace(self.job, batch_size=batch_size)
+        if job.sharding == "fsdp":
+            result = sharded.measure_rank(job, self.method, job.world_size, 0)
+            memory, events = result["memory"], result["events"]
+            kept, n_params, tier = sum(result["after_step"].values()), result["n_params"], "simulated"
+        else:
+            timeline = _timeline(job)
+            ranks = zero.model_ranks(timeline, zero.ZeroConfig(stage=int(job.sharding[-1]),
+                                                              world_size=job.world_size))
+            result = ranks["max"]
+            events = result["events"]
+            memory = {**result["memory"], **step.predict_gpu(events, None)}
+            sizes = zero.state_sizes(timeline, zero.ZeroConfig(stage=int(job.sharding[-1]),
+                                                               world_size=job.world_size), result["rank"])
+            kept, n_params, tier = sizes.param + sizes.master + sizes.state, timeline.unsharded["n_params"], \
+                "modelled"
+        record = {"status": "ok", "message": None, "n_params": n_params, "cost": None,
+                  "memory": {**memory, "tier": tier}, "sharding": result["sharding"],
+                  "persistent_bytes": kept + allocator.CUDA_CONTEXT_BYTES}
+        return record, events
+
+
+_TIMELINES: dict = {}  # (the unsharded job, batch) -> its ZeRO timeline: the last job's only
+
+
+def _timeline(job: Job):
+    from bench.measure import zero
+
+    unsharded = replace(job, world_size=1, sharding="none")
+    key = json.dumps(unsharded.to_dict(), sort_keys=True)
+    if key not in _TIMELINES:
+        if any(owner != (job.method, job.model) for owner, _ in _TIMELINES.values()):
+            _TIMELINES.clear()
+        _TIMELINES[key] = (job.method, job.model), zero.record_timeline(unsharded, load(job.method, job.hparams))
+    return _TIMELINES[key][1]
+
+
 class Oracle:
     """Runs memory jobs at a batch size (each batch once) and answers fits(B, C): from
     that run's bytes when simulated or tracked, by a run capped at C on CUDA. `cost`: a
@@ -296,7 +354,8 @@ class Oracle:
     def _simulate(self, batch: int) -> tuple[dict, list | None]:
         try:
             if self.sim is None:
-                self.sim = _Simulation(self.job, self.unit, self.cost)
+                self.sim = (_ShardedRuns(self.job) if self.job.sharding != "none" else
+                            _Simulation(self.job, self.unit, self.cost))
             return self.sim.measure(batch)
         except Exception as e:  # recorded as the search's error, like a failed memory job
             return {"status": "error", "message": step.error_message(e, simulated=True)}, None

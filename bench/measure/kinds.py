@@ -44,9 +44,13 @@ def measure(job: Job, method: Method) -> dict:
         out.update(_convergence(job, method, model, stream))
     out.update(step.loss_scaler_record(model, method))  # float16: the scaling the step ran
     if job.kind == "memory" and job.world_size > 1:  # sharding none: DDP-style replicas
+        from bench.measure import collectives
+
+        params = [(p.numel(), p.element_size(), p.requires_grad) for p in model.parameters()]
         out["sharding"] = {"scheme": "none", "world_size": job.world_size, "rank": 0, "bytes": 0,
                            "max_rank_peak_bytes": out["memory"]["peak_bytes"], "max_rank_basis": "replicas",
-                           "note": REPLICAS_NOTE}
+                           "note": REPLICAS_NOTE,
+                           "collectives": collectives.replicas(params, job.world_size, method.hp["micro_batches"])}
     return out
 
 
@@ -64,7 +68,7 @@ def _fsdp(job: Job, method: Method) -> dict:
     chunk of rows, so the most optimizer state), so its peak is the largest rank's.
     Tracked: world_size gloo processes, every rank measured; rank 0's split, and every
     rank's peak (`rank_peaks_bytes`). `method` is rank 0's (the processes load their own)."""
-    from bench.measure import sharded
+    from bench.measure import collectives, sharded
 
     if job.simulate:
         ranks = [sharded.measure_rank(job, method, job.world_size, 0)]
@@ -73,13 +77,19 @@ def _fsdp(job: Job, method: Method) -> dict:
         ranks = sharded.run_ranks(job, job.world_size, threads=job.threads or 1)
         peaks = [r["memory"]["peak_bytes"] for r in ranks]
     first = ranks[0]
+    moved = None  # the step's all-gathers and reduce-scatters, from the shards
+    if first.get("shards"):
+        frozen = first["trainable_params"] < first["n_params"]  # only the trainable gradients are reduced
+        moved = collectives.fsdp(first["shards"], job.world_size, method.hp["micro_batches"],
+                                 grad_shard_bytes=(first["before_update"] or {}).get("grad") if frozen else None)
     return {"n_params": first["n_params"], "trainable_params": first["trainable_params"],
             "memory": first["memory"], "first_step_peak_bytes": first["first_step_peak_bytes"],
             "loss": first["loss"], "before_update": first["before_update"], "after_step": first["after_step"],
             "sharding": {"scheme": "fsdp", "world_size": job.world_size, "rank": 0, **first["sharding"],
                          "rank_peaks_bytes": peaks,
                          "max_rank_peak_bytes": max(peaks) if peaks else first["memory"]["peak_bytes"],
-                         "max_rank_basis": "every rank measured" if peaks else "rank 0 holds the most"}}
+                         "max_rank_basis": "every rank measured" if peaks else "rank 0 holds the most",
+                         "collectives": moved}}
 
 
 def _zero(job: Job, method: Method) -> dict:
@@ -88,10 +98,11 @@ def _zero(job: Job, method: Method) -> dict:
     `simulate`), then the timeline is replayed with ZeRO's partitioning at world_size: rank
     0's split (tier "modelled", not a run), and the largest rank's peak (stage 1 and 2 keep
     the whole gradient of every parameter that overlaps a rank's partition, so ranks differ)."""
-    from bench.measure import zero
+    from bench.measure import collectives, zero
 
     timeline = zero.record_timeline(job, method)
-    ranks = zero.model_ranks(timeline, zero.ZeroConfig(stage=int(job.sharding[-1]), world_size=job.world_size))
+    cfg = zero.ZeroConfig(stage=int(job.sharding[-1]), world_size=job.world_size)
+    ranks = zero.model_ranks(timeline, cfg)
     first, largest = ranks["rank0"], ranks["max"]
     memory = {**first["memory"], "tracked_peak_bytes": first["memory"]["peak_bytes"],
               "from_tier": "simulated" if job.simulate else "tracked"}
@@ -99,7 +110,8 @@ def _zero(job: Job, method: Method) -> dict:
             "sharding": {"scheme": job.sharding, "world_size": job.world_size, "rank": 0, **first["sharding"],
                          "max_rank": largest["rank"], "max_rank_peak_bytes": largest["memory"]["peak_bytes"],
                          "max_rank_basis": "modelled for every rank (rank 0 and the last beyond 64)",
-                         "config": first["config"], "deepspeed_version": first["deepspeed_version"]}}
+                         "config": first["config"], "deepspeed_version": first["deepspeed_version"],
+                         "collectives": collectives.zero_stage(timeline.params, cfg, method.hp["micro_batches"])}}
 
 
 # Scheme -> how a memory job measures it: the one place a scheme is switched on. FSDP2 is
@@ -123,13 +135,17 @@ def sharding_problem(kind: str, world_size: int, sharding: str, simulate: bool,
     None. The config check asks before any job (naming the key), `measure` again."""
     if world_size == 1 and sharding == "none":
         return None
-    if kind != "memory":
+    if kind not in ("memory", "model_capacity"):
         field, value = ("sharding", sharding) if sharding != "none" else ("world_size", world_size)
-        return field, f"{field} {value} applies to memory jobs only, not to {kind} jobs"
+        return field, (f"{field} {value} applies to memory jobs only, not to {kind} jobs (and to a "
+                       f"model_capacity search, whose runs are memory jobs)")
     if sharding == "none":
         return None  # DDP-style replicas: the single-rank job's memory (REPLICAS_NOTE)
     if sharding not in SHARDED:
         return "sharding", f"sharding {sharding}: no code measures or models it (kinds.SHARDED)"
+    if kind == "model_capacity" and not simulate:
+        return "simulate", (f"sharding {sharding}: a model capacity search under sharding runs simulated (fake "
+                            f"tensors, bench.measure.capacity): simulate: true")
     if device != "cpu":
         return "device", (f"sharding {sharding} runs on the cpu device (real gloo processes, or simulated "
                           f"on fake tensors standing for any GPU), not {device}")

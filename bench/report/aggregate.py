@@ -25,7 +25,7 @@ SUMMARY_COLUMNS = [
     "kind", "method", "model", "family", "n_params", "trainable_params", "batch_size", "micro_batches", "seq_len",
     "dtype", "precision", "world_size", "sharding", "device", "device_name", "cpu_id", "memory_tier", "capacity_gb",
     "peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "other_bytes",
-    "sharding_bytes", "max_rank_peak_bytes",
+    "sharding_bytes", "max_rank_peak_bytes", "collective_bytes",
     "host_peak_bytes", "transfer_bytes", "first_step_peak_bytes", "reserved_peak_bytes", "alloc_retries",
     "tokens_per_s", "baseline",
     "baseline_tokens_per_s", "throughput_ratio", "throughput_ratio_lo", "throughput_ratio_hi",
@@ -33,7 +33,7 @@ SUMMARY_COLUMNS = [
     "largest_model", "at_ladder_top", "flops", "bytes_moved", "ops", "flops_forward",
     "flops_backward", "flops_optimizer", "est_h100_step_time_s", "est_h100_tokens_per_s",
     "est_h100_calibrated", "est_h100_transfer_s", "est_h100_step_time_serial_s", "est_h100_step_time_overlap_s",
-    "phase", "init", "task", "steps", "lr", "tuning", "final_loss", "loss_floor",
+    "est_h100_collective_s", "phase", "init", "task", "steps", "lr", "tuning", "final_loss", "loss_floor",
     "target_loss", "steps_to_target", "tokens_to_target", "status",
     "message", "seed", "commit", "torch_version", "date", "wall_time_s", "hparams", "result_file",
 ]
@@ -63,6 +63,7 @@ def summary_row(record: dict, path: str) -> dict:
                                    "activation_bytes", "other_bytes", "host_peak_bytes",
                                    "transfer_bytes", "reserved_peak_bytes", "alloc_retries")},
         "sharding_bytes": shard.get("bytes"), "max_rank_peak_bytes": shard.get("max_rank_peak_bytes"),
+        **collective_columns(shard.get("collectives"), job.get("world_size", 1)),
         "first_step_peak_bytes": record.get("first_step_peak_bytes"),
         **{k: thr.get(k) for k in ("tokens_per_s", "baseline", "baseline_tokens_per_s",
                                    "throughput_ratio", "throughput_ratio_lo",
@@ -93,6 +94,18 @@ def cost_columns(cost: dict | None, tokens: int, transfer_bytes: int | None = No
                for p in ("forward", "backward", "optimizer")},
             **estimate.estimate_row(cost, tokens, "h100-sxm-80gb", _calibration(), prefix="est_h100",
                                     transfer_bytes=transfer_bytes)}
+
+
+def collective_columns(collectives: dict | None, world_size: int) -> dict:
+    """A data-parallel step's collectives (`bench.measure.collectives`: a sharded or replicated
+    memory result's `sharding.collectives`): `collective_bytes`, what one rank sends per step
+    (ring algorithm), and `est_h100_collective_s`, its time over the H100's NVLink (world_size
+    <= 8) or the assumed inter-node link (`bench.estimate.collective_seconds`; estimated,
+    uncalibrated). Empty without them (one rank, results written before them)."""
+    sent = (collectives or {}).get("wire_bytes")
+    return {"collective_bytes": sent,
+            "est_h100_collective_s": None if sent is None else
+            estimate.collective_seconds(sent, world_size, "h100-sxm-80gb")}
 
 
 @functools.cache
