@@ -336,7 +336,8 @@ class Oracle:
         self.sim: _Simulation | None = None
         self.simulated = job.simulate
         self.cuda = job.device.startswith("cuda")
-        self.tier = "simulated" if self.simulated else ("measured" if self.cuda else "tracked")
+        self.tier = (("modelled" if job.sharding.startswith("zero") else "simulated") if self.simulated
+                     else ("measured" if self.cuda else "tracked"))
         self.traces: dict[int, list] = {}
         self.records: dict[int, dict] = {}
         self.capped: dict[tuple, dict] = {}  # (batch, capacity) -> record of a capped run

@@ -25,7 +25,8 @@ import yaml
 from bench.measure.records import write_text_atomic
 from bench.report.markdown import markdown_table
 from bench.report.tables import (BASELINE, CATEGORIES, CLAIM_METRICS, MIB, T975, capacity_table, claim_pairs,
-                                 claim_table, convergence_table, geomean, largest_model_table, memory_table,
+                                 claim_table, convergence_table, geomean, largest_model_gpus_finding,
+                                 largest_model_gpus_table, largest_model_table, memory_table,
                                  model_order, parameters_text, read_curves, read_summary,
                                  simulation_accuracy_table, task_label, throughput_table)
 
@@ -497,7 +498,18 @@ def capacity_section(sources: Sources) -> str:
             "in the simulated tier: the step on fake tensors, its allocations replayed through a "
             "model of PyTorch's caching allocator, within the memory size less an assumed CUDA "
             "context.\n\n" + markdown_table(rows, ["family", "method"] + [f"{s:g} GiB" for s in sizes],
-                                             "ll" + "r" * len(sizes)))
+                                             "ll" + "r" * len(sizes)) + several_gpus(sources))
+
+
+def several_gpus(sources: Sources) -> str:
+    """A paragraph on the same search per GPU of several (the `model_capacity_gpus` figure),
+    with its finding from the data; empty without such rows."""
+    finding = largest_model_gpus_finding(sources.role("capacity"))
+    if finding is None:
+        return ""
+    return ("\n\n**On several GPUs.** The same search per GPU of N data-parallel GPUs, each training its "
+            "own batch (under FSDP2 rank 0's memory, under ZeRO the largest rank's); memory only, no "
+            f"communication time. {finding}")
 
 
 # ----------------------------------------------------------------------------- claims
@@ -710,7 +722,10 @@ def limitations(sources: Sources, bad: pd.DataFrame) -> list[str]:
         f"Capacity answers are in the {', '.join(tiers) or 'unknown'} tier: they fit when the replayed "
         "allocations stay within the memory size less an assumed CUDA context; an answer within a few "
         "percent of a boundary is uncertain, and fragmentation over a long run is not modelled.",
-        "One GPU, one process: no multi-GPU sharding, offloading or host-memory limits enter these tables.",
+        ("Beside one GPU, only the largest-model search per GPU of several enters (sharded, memory only: no "
+         "communication time); no offloading or host-memory limits enter these tables."
+         if not largest_model_gpus_table(sources.role("capacity")).empty else
+         "One GPU, one process: no multi-GPU sharding, offloading or host-memory limits enter these tables."),
         "Published claims come from other settings (other models, data, hardware, kernels): a verdict "
         "says what our closest setting shows, not whether the paper is right.",
     ]
@@ -794,8 +809,10 @@ FIGURE_PLAN = {
     "memory": [("memory_breakdown", "memory")],
     "speed": [("throughput_relative", "speed"), ("throughput_capacity", "capacity")],
     "convergence": [("convergence", "convergence")],
-    "capacity": [("model_capacity", "capacity"), ("capacity", "capacity")],
+    "capacity": [("model_capacity", "capacity"), ("model_capacity_gpus", "capacity"), ("capacity", "capacity")],
 }
+# figures drawn only where their rows exist (name -> does this role's summary have them?)
+FIGURE_IF = {"model_capacity_gpus": lambda frame: not largest_model_gpus_table(frame).empty}
 
 
 def draw_figures(sources: Sources, out: Path) -> dict[str, list[str]]:
@@ -808,6 +825,8 @@ def draw_figures(sources: Sources, out: Path) -> dict[str, list[str]]:
     for section, plan in FIGURE_PLAN.items():
         made[section] = []
         for name, role in plan:
+            if name in FIGURE_IF and not FIGURE_IF[name](sources.role(role)):
+                continue
             build = fig.builders(sources.role(role), sources.curves[role])[name]
             figure = build()
             path = out / "figures" / f"{name}.png"

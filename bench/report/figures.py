@@ -32,15 +32,16 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from bench.measure.records import atomic_path  # noqa: E402
 from bench.report import fig_throughput_capacity  # noqa: E402
 from bench.report.tables import (BASELINE, CATEGORIES,  # noqa: E402
-                          CONVERGENCE_CELL, THROUGHPUT_CELL, capacity_table, method_label,
-                          convergence_table, largest_model_table, memory_table, method_order,
+                          CONVERGENCE_CELL, GPUS_CELL, SCHEMES, THROUGHPUT_CELL, capacity_table, method_label,
+                          convergence_table, largest_model_gpus_table, largest_model_table, memory_table,
+                          method_order, scheme_name,
                           model_order, overview_table, parameters_text, read_curves, read_summary,
                           PHASES, reported, status_text, task_label, throughput_table, tuning_table)
 from bench.report.style import (FAIL_COLOR, LINESTYLES, MARKERS, finish,  # noqa: E402
                                 method_colors, method_linestyles, nudge)
 
 FIGURES = ["overview", "memory_breakdown", "throughput_relative", "convergence", "sensitivity",
-           "capacity", "model_capacity", "throughput_capacity"]
+           "capacity", "model_capacity", "model_capacity_gpus", "throughput_capacity"]
 
 DPI = 150
 SMOOTH_POINTS = 50          # curves longer than this get a rolling mean over len // this steps
@@ -818,6 +819,159 @@ def figure_model_capacity(summary: pd.DataFrame) -> plt.Figure:
     return fig
 
 
+# a scheme's line in figure_model_capacity_gpus: its style and marker (the one-GPU point,
+# which every scheme's line of a method starts from, is a filled circle; "^" is kept for
+# the ladder's top)
+SCHEME_STYLE = {"fsdp": ("-", "s"), "zero3": ("--", "D"), "zero2": ("-.", "v"), "zero1": (":", "P"),
+                "none": (":", "X")}
+ONE_GPU_MARKER = "o"
+
+
+def _gpus_nudge(i: int, n: int) -> float:
+    """Line i of n moved along the GPU-count axis (its ticks are octaves apart), within
+    +-25% of the count, so that equal answers stay apart."""
+    step = min(1.12, 1.5 ** (1 / max(n - 1, 1)))
+    return step ** (i - (n - 1) / 2)
+
+
+def _scheme_style(sharding: str) -> tuple[str, str]:
+    return SCHEME_STYLE.get(sharding, ("-.", "*"))
+
+
+def figure_model_capacity_gpus(summary: pd.DataFrame) -> plt.Figure:
+    """Largest model that trains per GPU of N vs N (the GPU count), one panel per memory
+    size (a row of panels per family, batch, sequence and dtype), a line per method and
+    scheme starting from the method's one-GPU answer."""
+    title = "Largest model that trains on each of N GPUs, per memory size"
+    table = largest_model_gpus_table(summary)
+    if table.empty:
+        return no_data_figure(title, "no model_capacity rows of more than one GPU (world_size > 1 or a "
+                                     "sharding scheme) in the summary: the gpu-capacity suite's "
+                                     "sharded_model_capacity section makes them")
+    failed = table[table["status"] != "ok"][["label", "model", "batch_size", "status"]].drop_duplicates()
+    table = table[table["status"] == "ok"]
+    if table.empty:
+        return no_data_figure(title, "no model_capacity search of more than one GPU finished ok")
+    methods = method_order(table["method"])
+    colors = method_colors(methods)
+    schemes = [s for s in SCHEMES if s in set(table["sharding"])] + sorted(
+        set(table["sharding"]) - set(SCHEMES))
+    schemes = [s for s in schemes if ((table["sharding"] == s) & ~((table["world_size"] == 1)
+                                                                   & (table["sharding"] == "none"))).any()]
+    cells = table[GPUS_CELL].drop_duplicates().sort_values(GPUS_CELL).to_dict("records")
+    sizes = sorted(table["capacity_gb"].unique())
+    counts = sorted(table["world_size"].astype(int).unique())
+    fig, axes = plt.subplots(len(cells), len(sizes), figsize=(3.7 * len(sizes), 4.0 * len(cells)),
+                             squeeze=False, sharey="row")
+    lines = [(m, s) for m in methods for s in schemes]
+    any_top = any_none = False
+    for row_axes, cell in zip(axes, cells):
+        part = table[_key_match(table, cell, GPUS_CELL)]
+        fitted = part.loc[part["n_params"] > 0, "n_params"]
+        floor = 0.5 * fitted.min() if len(fitted) else 1e6
+        for j, (ax, gb) in enumerate(zip(row_axes, sizes)):
+            here = part[part["capacity_gb"] == gb]
+            tops = []
+            for i, (method, sharding) in enumerate(lines):
+                mine = here[here["method"] == method]
+                own = mine[(mine["sharding"] == sharding)
+                           & ~((mine["world_size"] == 1) & (mine["sharding"] == "none"))]
+                if own.empty:
+                    continue
+                one = mine[(mine["world_size"] == 1) & (mine["sharding"] == "none")]
+                pts = pd.concat([one if not (own["world_size"] == 1).any() else one.iloc[0:0], own])
+                pts = pts.sort_values("world_size")
+                # lines of one method share its one-GPU point; equal answers elsewhere are
+                # nudged apart along x (a few percent, on the log axis)
+                mine_lines = [k for k, (m, _) in enumerate(lines) if m == method]
+                shared = np.exp(np.mean([np.log(_gpus_nudge(k, len(lines))) for k in mine_lines]))
+                x = pts["world_size"].to_numpy(float) * np.where(
+                    (pts["world_size"] == 1) & (pts["sharding"] == "none"), shared, _gpus_nudge(i, len(lines)))
+                y = pts["n_params"].astype(float).where(pts["n_params"] > 0, floor).to_numpy()
+                style, marker = _scheme_style(sharding)
+                ax.plot(x, y, color=colors[method], linestyle=style, linewidth=1.4, zorder=3)
+                single = ((pts["world_size"] == 1) & (pts["sharding"] == "none")).to_numpy()
+                fits = (pts["n_params"] > 0).to_numpy()
+                top = (pts["at_ladder_top"] == 1).to_numpy() & fits
+                plain = fits & ~top
+                ax.scatter(x[~single & plain], y[~single & plain], marker=marker, color=colors[method], s=28,
+                           zorder=4)
+                ax.scatter(x[single & plain], y[single & plain], marker=ONE_GPU_MARKER, color=colors[method],
+                           s=34, zorder=4)
+                ax.scatter(x[~fits], y[~fits], marker="x", color=FAIL_COLOR, s=30, zorder=5)
+                any_none |= bool((~fits).any())
+                # the ladder's top fitted: an open triangle instead of the point's marker
+                ax.scatter(x[top], y[top], marker="^", s=60, facecolors="white", edgecolors=colors[method],
+                           linewidths=1.3, zorder=5)
+                tops += list(zip(x[top], y[top]))
+                any_top |= bool(top.any())
+            if tops:
+                tx, ty = max(tops, key=lambda p: (p[1], p[0]))
+                ax.annotate("ladder's top", (tx, ty), xytext=(0, 8), textcoords="offset points",
+                            ha="right" if tx > counts[-1] / 2 else "center", va="bottom", fontsize=7.5, color="0.35")
+            if (here["n_params"] <= 0).any():
+                ax.axhline(floor, color=FAIL_COLOR, lw=0.6, ls=":", zorder=1)
+                ax.annotate("none fits", (0.98, floor), xycoords=("axes fraction", "data"), xytext=(0, -6),
+                            textcoords="offset points", ha="right", va="top", fontsize=7.5, color=FAIL_COLOR)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(counts, [str(c) for c in counts])
+            ax.set_xlim(counts[0] / 1.6, counts[-1] * 1.6)
+            ax.minorticks_off()
+            ax.set_xlabel("GPU count (data-parallel ranks)")
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+            # no parameter count at or below the floor, where a point means "none fits"
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+                lambda v, _, floor=floor: "" if v <= floor * 1.01 else parameters_text(v)))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            if j == 0:
+                ax.set_ylabel("largest model that trains\n(parameters)")
+            ax.set_title(f"{gb:g} GiB per GPU" + ("" if len(cells) == 1 else
+                         f"\n{cell['family']} · batch {_fmt_num(cell['batch_size'])} per GPU · seq "
+                         f"{_fmt_num(cell['seq_len'])} · {cell['dtype']}"), fontsize=10 if len(cells) == 1 else 9)
+        lo, hi = row_axes[0].get_ylim()
+        row_axes[0].set_ylim(min(lo, floor / 2.2), hi * 1.6)   # room for the floor's label and the triangles
+    single = (table["world_size"] == 1) & (table["sharding"] == "none")
+    by_scheme = {scheme_name(s): ", ".join(sorted(set(table.loc[(table["sharding"] == s) & ~single,
+                                                                "memory_tier"].dropna()))) for s in schemes}
+    if single.any():
+        by_scheme["one GPU"] = ", ".join(sorted(set(table.loc[single, "memory_tier"].dropna())))
+    tiers = (next(iter(by_scheme.values())) if len(set(by_scheme.values())) == 1
+             else "; ".join(f"{k} {v}" for k, v in by_scheme.items()))
+    heading = f"{title} (memory tier: {tiers})"
+    if len(cells) == 1:
+        c = cells[0]
+        heading = (f"{title}\n{c['family']}, batch {_fmt_num(c['batch_size'])} per GPU, seq "
+                   f"{_fmt_num(c['seq_len'])}, {c['dtype']} (memory tier: {tiers})")
+    # a legend column per method (its schemes' lines), then the markers' columns
+    drawn = set(zip(table.loc[~single, "method"], table.loc[~single, "sharding"]))
+    handles = [Line2D([], [], color=colors[m], linestyle=_scheme_style(s)[0], marker=_scheme_style(s)[1],
+                      markersize=5, label=f"{m}, {scheme_name(s)}") for m, s in lines if (m, s) in drawn]
+    handles.append(Line2D([], [], ls="", marker=ONE_GPU_MARKER, color="0.3", label="one GPU (each line's start)"))
+    if any_top:
+        handles.append(Line2D([], [], ls="", marker="^", markerfacecolor="none", markeredgecolor="0.3",
+                              markersize=8, label="the ladder's top: at least this"))
+    if any_none:
+        handles.append(Line2D([], [], ls="", marker="x", color=FAIL_COLOR, label="none fits"))
+    starts = []
+    for model, g in sorted(table.groupby("model"), key=lambda mg: (mg[1]["world_size"].min(), mg[0])):
+        counts_of = sorted(int(w) for w in g["world_size"].unique())
+        starts.append(f"{model} ({', '.join(map(str, counts_of))} GPU{'' if counts_of == [1] else 's'})")
+    starts = ", ".join(starts)
+    note = ("Each point is a search's answer along the family's ladder of sizes: that size trains at the batch "
+            "on each GPU (rank 0's memory under FSDP2; under ZeRO the largest rank's) and the next does not "
+            "(or a rank's share of its weights alone exceeds the memory). Lines of one colour are one method "
+            "under each scheme, from the same one-GPU point. Each GPU holds a batch of its own. Searches start "
+            f"at {starts}: 'none fits' is not even that size. Memory only: no communication time is counted.")
+    if not failed.empty:
+        note += " Not drawn (search failed): " + "; ".join(
+            f"{r.label} from {r.model} at batch {_fmt_num(r.batch_size)} ({r.status})"
+            for r in failed.itertuples()) + "."
+    finish(fig, heading, note, handles, ncol=int(np.ceil(len(handles) / max(len(schemes), 1))),
+           title="method (colour), scheme (line, marker)")
+    return fig
+
+
 def builders(summary: pd.DataFrame, curves: pd.DataFrame) -> dict:
     """Figure name -> a function drawing it, in the order of `FIGURES`."""
     table = {
@@ -828,6 +982,7 @@ def builders(summary: pd.DataFrame, curves: pd.DataFrame) -> dict:
         "sensitivity": lambda: figure_sensitivity(summary),
         "capacity": lambda: figure_capacity(summary),
         "model_capacity": lambda: figure_model_capacity(summary),
+        "model_capacity_gpus": lambda: figure_model_capacity_gpus(summary),
         "throughput_capacity": lambda: fig_throughput_capacity.figure(summary),
     }
     assert list(table) == FIGURES

@@ -20,7 +20,8 @@ import yaml
 from bench.report.figures import FIGURES
 from bench.measure.records import write_text_atomic
 from bench.report.tables import (BASELINE, CATEGORIES, MODEL_CAPACITY_CELL, capacity_table, claim_table,
-                          convergence_table, largest_model_table, memory_table, method_order, tuning_table,
+                          convergence_table, largest_model_gpus_finding, largest_model_gpus_text,
+                          largest_model_table, memory_table, method_order, tuning_table,
                           model_order, parameters_text, read_summary, simulation_accuracy_table,
                           task_label, throughput_table)
 from bench.tuning import RULE, TARGET_GAP, WINDOW
@@ -222,14 +223,36 @@ def tuning_section(summary: pd.DataFrame) -> str:
 
 
 def capacity_section(summary: pd.DataFrame) -> str:
-    models, batches = largest_model_section(summary), largest_batch_section(summary)
-    if models is None and batches is None:
+    models, gpus, batches = (largest_model_section(summary), largest_model_gpus_section(summary),
+                             largest_batch_section(summary))
+    if models is None and gpus is None and batches is None:
         return "_No capacity jobs._"
     return ("Each answer is a search's boundary: that size (or batch) trains and the next "
             "does not, both run. In the simulated tier a run fits when its allocations, "
             "replayed through a model of PyTorch's CUDA caching allocator, stay within the "
             "memory size minus 0.5 GiB of CUDA context (an assumption until calibrated on a "
-            "GPU).\n\n" + "\n\n".join(p for p in (models, batches) if p is not None))
+            "GPU).\n\n" + "\n\n".join(p for p in (models, gpus, batches) if p is not None))
+
+
+def largest_model_gpus_section(summary: pd.DataFrame) -> str | None:
+    """The largest model per GPU of several (the `model_capacity_gpus` figure's numbers):
+    a finding, then per method, scheme and GPU count the answer per memory size. None
+    without model_capacity rows of more than one GPU."""
+    table = largest_model_gpus_text(summary)
+    if table.empty:
+        return None
+    sizes = [c for c in table.columns if c.endswith(" GiB")]
+    rows = [[r["family"], integer(r["batch_size"]), integer(r["seq_len"]), r["dtype"], r["method"], r["scheme"],
+             integer(r["world_size"]), r["memory_tier"], r["model"]] + [r[c] for c in sizes]
+            for _, r in table.iterrows()]
+    return ("### Largest model on several GPUs\n\nThe same search per GPU of N data-parallel GPUs, each "
+            "training its own batch (under FSDP2 rank 0's memory, which holds the most; under ZeRO the "
+            "largest rank's; docs/sharding.md), from the size in 'ladder from'. Memory only: "
+            "communication time is not counted. "
+            "Parameters of the largest size that trains; '>=': the ladder's largest size fits.\n\n"
+            f"**Finding.** {largest_model_gpus_finding(summary)}\n\n"
+            + markdown_table(rows, ["family", "batch per GPU", "seq", "dtype", "method", "scheme", "GPUs", "tier",
+                                    "ladder from"] + sizes, "lrrlllrll" + "r" * len(sizes)))
 
 
 def largest_model_section(summary: pd.DataFrame) -> str | None:

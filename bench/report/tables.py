@@ -352,19 +352,161 @@ def parameters_text(n) -> str:
     return "none" if not n or n <= 0 else (f"{n / 1e9:.3g} B" if n >= 1e9 else f"{n / 1e6:.3g} M")
 
 
+def one_gpu(frame: pd.DataFrame) -> pd.Series:
+    """Rows of one GPU: world_size 1, no sharding (rows from before data parallelism too)."""
+    frame = one_rank_defaults(frame)
+    return (frame["world_size"] == 1) & (frame["sharding"] == "none")
+
+
 def largest_model_table(summary: pd.DataFrame) -> pd.DataFrame:
     """One row per (family, sequence, dtype, tier, batch, memory size, method) of the
-    model_capacity jobs: the largest size of the family that trains at that batch
+    one-GPU model_capacity jobs: the largest size of the family that trains at that batch
     (`largest_model`, None and `n_params` 0 when not even the first size does;
     `at_ladder_top`: the ladder's largest size fits, so at least that), from the size the
-    ladder starts at (`model`); `pct_vs_baseline` compares parameters with AdamW's."""
-    cap = summary[summary["kind"] == "model_capacity"]
-    cols = MODEL_CAPACITY_CELL + ["method", "model", "largest_model", "n_params", "at_ladder_top",
-                                  "status", "message"]
+    ladder starts at (`model`); `pct_vs_baseline` compares parameters with AdamW's. The
+    same search per GPU of several (world_size > 1, or a sharding scheme) is
+    `largest_model_gpus_table`'s."""
+    cap = one_rank_defaults(summary[summary["kind"] == "model_capacity"])
+    cap = cap[one_gpu(cap)]
+    cols = MODEL_CAPACITY_CELL + ["world_size", "sharding", "method", "model", "largest_model", "n_params",
+                                  "at_ladder_top", "status", "message"]
     out = cap.reindex(columns=cols).reset_index(drop=True)
     out["n_params"] = out["n_params"].where(out["status"] == "ok")
     out["pct_vs_baseline"] = _pct_vs_baseline(out, MODEL_CAPACITY_CELL, "n_params") if len(out) else []
     return out
+
+
+# a cell of the search per GPU of several: the family's ladder at one batch per GPU (the
+# ladders may start at different sizes, and the tiers differ by scheme)
+GPUS_CELL = ["family", "batch_size", "seq_len", "dtype"]
+SCHEMES = {"none": "one GPU", "fsdp": "FSDP2", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
+
+
+def scheme_name(sharding: str, world_size=2) -> str:
+    """A data-parallel scheme as people name it: 'FSDP2', 'ZeRO-3'; replicas of more than
+    one GPU are 'DDP (replicas)'."""
+    if sharding == "none":
+        return "one GPU" if world_size == 1 else "DDP (replicas)"
+    return SCHEMES.get(sharding, str(sharding))
+
+
+def largest_model_gpus_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """The model_capacity search per GPU of several (docs/sharding.md): one row per (cell
+    `GPUS_CELL`, method, scheme `sharding`, GPU count `world_size`, memory size), for the
+    cells and methods that have rows with world_size > 1 or a scheme, and beside them the
+    same method's one-GPU answer (world_size 1, sharding none), which every scheme of the
+    method starts from. Columns as `largest_model_table`'s (no `pct_vs_baseline`), plus
+    `world_size`, `sharding` and `label` ("adamw [fsdp x8]"). Where a setting has more
+    than one row (ladders from different starts, a rerun), its largest ok answer counts.
+    Empty without such rows."""
+    cols = GPUS_CELL + ["method", "sharding", "world_size", "capacity_gb", "label", "memory_tier", "model",
+                        "largest_model", "n_params", "at_ladder_top", "status", "message"]
+    cap = one_rank_defaults(summary[summary["kind"] == "model_capacity"])
+    if cap.empty:
+        return pd.DataFrame(columns=cols)
+    single = one_gpu(cap)
+    sharded = cap[~single]
+    if sharded.empty:
+        return pd.DataFrame(columns=cols)
+    wanted = sharded[GPUS_CELL + ["method"]].drop_duplicates()
+    rows = pd.concat([sharded, cap[single].merge(wanted, on=GPUS_CELL + ["method"])], ignore_index=True)
+    rows = rows.assign(n_params=rows["n_params"].where(rows["status"] == "ok"),
+                       _ok=rows["status"] == "ok", _n=rows["n_params"].fillna(-1))
+    key = GPUS_CELL + ["method", "sharding", "world_size", "capacity_gb"]
+    rows = (rows.sort_values(["_ok", "_n"], ascending=False, kind="stable")
+            .drop_duplicates(key).reset_index(drop=True))
+    rows["label"] = [method_label(m, w, s) for m, w, s in zip(rows["method"], rows["world_size"], rows["sharding"])]
+    methods = method_order(rows["method"])
+    schemes = list(SCHEMES)
+    rows = rows.assign(_m=rows["method"].map(methods.index),
+                       _s=rows["sharding"].map(lambda s: schemes.index(s) if s in schemes else len(schemes)))
+    rows = rows.sort_values(GPUS_CELL + ["_m", "_s", "world_size", "capacity_gb"], kind="stable")
+    return rows.reindex(columns=cols).reset_index(drop=True)
+
+
+def largest_model_text(row) -> str:
+    """One search's answer as text: its parameters ('1.5 B'; '>= 65.3 B' at the ladder's
+    top; 'none': not even the first size), or the status of a search that failed."""
+    if row["status"] != "ok":
+        return str(row["status"])
+    if not row["n_params"] or pd.isna(row["n_params"]) or row["n_params"] <= 0:
+        return "none"
+    return (">= " if row["at_ladder_top"] == 1 else "") + parameters_text(row["n_params"])
+
+
+def largest_model_gpus_text(summary: pd.DataFrame) -> pd.DataFrame:
+    """`largest_model_gpus_table` for a report: one row per (cell, method, scheme, GPU
+    count), a column per memory size ("24 GiB") with the largest model that trains on
+    each GPU as text (`largest_model_text`), and `scheme` named as people name it. The
+    one-GPU row (scheme 'one GPU') is each method's first."""
+    table = largest_model_gpus_table(summary)
+    sizes = sorted(table["capacity_gb"].dropna().unique())
+    lead = GPUS_CELL + ["method", "scheme", "world_size", "memory_tier", "model"]
+    cols = lead + [f"{gb:g} GiB" for gb in sizes]
+    rows = []
+    for key, g in table.groupby(GPUS_CELL + ["method", "sharding", "world_size"], sort=False, dropna=False):
+        *cell, method, sharding, world_size = key
+        by_size = g.set_index("capacity_gb")
+        rows.append(dict(zip(GPUS_CELL, cell), method=method, scheme=scheme_name(sharding, world_size),
+                         world_size=int(world_size),
+                         memory_tier=", ".join(sorted(set(g["memory_tier"].dropna()))) or None,
+                         model=", ".join(sorted(set(g["model"].dropna()))) or None,
+                         **{f"{gb:g} GiB": largest_model_text(by_size.loc[gb]) if gb in by_size.index else None
+                            for gb in sizes}))
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _up_to(row) -> str:
+    """A search's answer in a sentence: 'up to 13 B', 'at least 65.3 B (the ladder's top)',
+    'no size of the ladder from llama-1b', 'no answer (error)'."""
+    if row["status"] != "ok":
+        return f"no answer ({row['status']})"
+    if not row["n_params"] or pd.isna(row["n_params"]) or row["n_params"] <= 0:
+        return f"no size of the ladder from {row['model']}"
+    if row["at_ladder_top"] == 1:
+        return f"at least {parameters_text(row['n_params'])} (the ladder's top)"
+    return f"up to {parameters_text(row['n_params'])}"
+
+
+def largest_model_gpus_finding(summary: pd.DataFrame, gb: float = 24) -> str | None:
+    """One sentence per cell, from the data: what the baseline (else the first method)
+    trains with `gb` GiB per GPU (else the memory size nearest it), on one GPU and under
+    each scheme at each GPU count ("With 24 GiB per GPU (llama at batch 8 per GPU, seq
+    512, bfloat16), adamw trains up to 1.2 B on one GPU (simulated); under FSDP2
+    (simulated), up to 13 B on 8 GPUs and at least 65.3 B (the ladder's top) on 64").
+    None without rows of more than one GPU."""
+    table = largest_model_gpus_table(summary)
+    if table.empty:
+        return None
+    out = []
+    for cell, g in table.groupby(GPUS_CELL, sort=True, dropna=False):
+        sizes = sorted(g["capacity_gb"].dropna().unique())
+        size = min(sizes, key=lambda s: (abs(s - gb), s))
+        g = g[g["capacity_gb"] == size]
+        method = BASELINE if BASELINE in set(g["method"]) else method_order(g["method"])[0]
+        g = g[g["method"] == method]
+        family, batch, seq, dtype = cell
+        one = g[(g["world_size"] == 1) & (g["sharding"] == "none")]
+        parts = [f"{method} trains {_up_to(one.iloc[0])} on one GPU ({one['memory_tier'].iloc[0]})"
+                 if len(one) else f"{method} on one GPU: not searched"]
+        for sharding, h in g[g["sharding"] != "none"].groupby("sharding", sort=False):
+            h = h.sort_values("world_size").to_dict("records")
+            tier = ", ".join(sorted({r["memory_tier"] for r in h if isinstance(r["memory_tier"], str)}))
+            said = {}  # an answer -> the GPU counts that gave it (in order): "none ... on 2 and 4 GPUs"
+            for r in h:
+                said.setdefault(_up_to(r), []).append(str(int(r["world_size"])))
+            steps = [f"{answer} on {_and(ws)}" + (" GPUs" if i == 0 else "")
+                     for i, (answer, ws) in enumerate(said.items())]
+            parts.append(f"under {scheme_name(sharding)} ({tier}), {_and(steps)}")
+        if ((g["sharding"] == "none") & (g["world_size"] > 1)).any():
+            parts.append("as DDP replicas, what one GPU trains")
+        out.append(f"With {size:g} GiB per GPU ({family} at batch {int(batch)} per GPU, seq {int(seq)}, "
+                   f"{dtype}), " + "; ".join(parts) + ".")
+    return " ".join(out)
 
 
 def simulation_accuracy_table(summary: pd.DataFrame) -> pd.DataFrame:
@@ -440,11 +582,15 @@ def _capacity_ratio(nothing: str, example):
 
 # metric -> (kind of job, value compared, cell the two methods share, summary of the pairs)
 CLAIM_METRICS = {
+    # one GPU and each data-parallel setting apart (a sharded search's answer is per GPU of N)
     "largest_model_ratio": ("model_capacity", "n_params_inside_ladder", ["model", "seq_len", "dtype",
-                                                           "memory_tier", "batch_size", "capacity_gb"],
+                                                           "memory_tier", "batch_size", "capacity_gb",
+                                                           "world_size", "sharding"],
                             _capacity_ratio("the baseline trains no size of the ladder", lambda r: (
-                                f"{r.capacity_gb:g} GiB from {r.model} at batch {int(r.batch_size)}: "
-                                f"{parameters_text(r.v)} -> {parameters_text(r.m)}"))),
+                                f"{r.capacity_gb:g} GiB from {r.model} at batch {int(r.batch_size)}"
+                                + ("" if r.world_size == 1 and r.sharding == "none" else
+                                   f" [{'ddp' if r.sharding == 'none' else r.sharding} x{int(r.world_size)}]")
+                                + f": {parameters_text(r.v)} -> {parameters_text(r.m)}"))),
     "largest_batch_ratio": ("capacity", "largest_batch", ["model", "seq_len", "dtype",
                                                            "memory_tier", "capacity_gb"],
                             _capacity_ratio("the baseline fits no batch", lambda r: (

@@ -250,3 +250,160 @@ def test_nudged_points_stay_near_their_memory_size(n):
     factors = [style.nudge(i, n) for i in range(n)]
     assert all(a < b for a, b in zip(factors, factors[1:]))  # apart, in order
     assert 0.88 < min(factors) <= 1 <= max(factors) < 1.13
+
+
+def gpus_row(method, gb, n, world_size=1, sharding="none", top=False, status="ok", model=None,
+             tier=None):
+    """A model_capacity row of the search per GPU of `world_size` (docs/sharding.md)."""
+    tier = tier or ("modelled" if sharding.startswith("zero") else "simulated")
+    model = model or ("llama-60m" if world_size == 1 else "llama-1b")
+    return dict(kind="model_capacity", method=method, model=model, family="llama", batch_size=8,
+                seq_len=512, dtype="bfloat16", memory_tier=tier, capacity_gb=gb, world_size=world_size,
+                sharding=sharding, largest_model=f"llama-{n / 1e9:g}b" if n else None, n_params=n,
+                at_ladder_top=top, status=status, message=None if status == "ok" else "boom")
+
+
+def gpus_summary(tmp_path) -> pd.DataFrame:
+    """adamw and checkpointing on one GPU (from llama-60m) and per GPU of 8 and 64 (from
+    llama-1b) under FSDP2 and ZeRO-3 at 16-80 GiB; checkpointing reaches the ladder's top
+    (65B) on 64 GPUs; at 16 GiB adamw on one GPU fits nothing; a one-GPU-only method
+    (adama) stays out of the per-GPU figure."""
+    sizes = (16, 24, 40, 80)
+    one = {"adamw": (0, 1.2e9, 2.0e9, 4.0e9), "checkpointing": (0.8e9, 1.3e9, 2.4e9, 4.5e9),
+           "adama": (1.5e9, 2e9, 3e9, 6e9)}
+    rows = [gpus_row(m, gb, n) for m, ns in one.items() for gb, n in zip(sizes, ns)]
+    for m, boost in (("adamw", 1.0), ("checkpointing", 1.3)):
+        for sharding, factor in (("fsdp", 1.0), ("zero3", 0.9)):
+            for ws, scale in ((8, 5.0), (64, 25.0)):
+                for gb in sizes:
+                    n = min(scale * factor * boost * gb / 16 * 1e9, 65e9)
+                    rows.append(gpus_row(m, gb, n, ws, sharding, top=n >= 65e9))
+    path = tmp_path / "gpus.csv"
+    pd.DataFrame(rows).reindex(columns=SUMMARY_COLUMNS).to_csv(path, index=False)
+    from bench.report.tables import read_summary
+    return read_summary(path)  # through the CSV, as the figures read it
+
+
+def test_model_capacity_gpus_figure(tmp_path):
+    summary = gpus_summary(tmp_path)
+    fig = plots.figure_model_capacity_gpus(summary)
+    panels = [ax for ax in fig.axes if ax.get_visible() and ax.lines]
+    assert len(panels) == 4                                     # one per memory size
+    assert [ax.get_title() for ax in panels] == [f"{gb} GiB per GPU" for gb in (16, 24, 40, 80)]
+    for ax in panels:
+        assert ax.get_xscale() == "log"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "8", "64"]
+        assert list(ax.get_xticks()) == [1, 8, 64]
+        assert "GPU" in ax.get_xlabel()
+    assert "parameters" in panels[0].get_ylabel()
+    # a line per method x scheme, each from the method's one-GPU point (adama has no sharded row)
+    for ax in panels:
+        drawn = [line for line in ax.lines if len(line.get_xdata()) == 3]
+        assert len(drawn) == 4
+        assert {round(float(line.get_xdata()[0])) for line in drawn} == {1}
+        assert len({tuple(line.get_color()) if not isinstance(line.get_color(), str) else line.get_color()
+                    for line in drawn}) == 2                    # colour by method
+        assert {line.get_linestyle() for line in drawn} == {"-", "--"}  # style by scheme
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels[:4] == ["adamw, FSDP2", "adamw, ZeRO-3", "checkpointing, FSDP2", "checkpointing, ZeRO-3"]
+    assert "the ladder's top: at least this" in labels and "none fits" in labels
+    assert not any("adama" == t.split(",")[0] for t in labels)
+    # the ladder's top: open triangles where checkpointing reaches 65 B on 64 GPUs (40 and 80 GiB)
+    tops = [c for ax in panels[2:] for c in ax.collections
+            if c.get_offsets().size and c.get_paths() and (c.get_facecolor()[:, :3] == 1).all()]
+    assert tops and all(off[0] > 32 for c in tops for off in c.get_offsets())
+    # adamw fits nothing on one 16 GiB GPU: a red x on the floor there, the floor labelled
+    assert any(t.get_text() == "none fits" for t in panels[0].texts)
+    assert not any(t.get_text() == "none fits" for t in panels[1].texts)
+    # the tiers named, per scheme
+    assert "FSDP2 simulated; ZeRO-3 modelled; one GPU simulated" in fig.get_suptitle()
+    plots.plt.close(fig)
+
+    # the one-GPU figure keeps to one GPU: a line per method, none for the sharded rows
+    fig = plots.figure_model_capacity(summary)
+    (ax,) = [ax for ax in fig.axes if ax.get_visible() and ax.lines]
+    assert sorted(line.get_label() for line in ax.lines) == ["adama", "adamw", "checkpointing"]
+    assert all(len(line.get_xdata()) == 4 for line in ax.lines)
+    plots.plt.close(fig)
+
+
+def test_model_capacity_gpus_no_data(tmp_path):
+    one_gpu = gpus_summary(tmp_path)
+    one_gpu = one_gpu[one_gpu["world_size"] == 1]
+    for summary in (one_gpu, one_gpu.iloc[0:0]):
+        fig = plots.figure_model_capacity_gpus(summary)
+        assert len(fig.axes) == 1 and not fig.axes[0].axison
+        assert "No data: no model_capacity rows of more than one GPU" in " ".join(
+            t.get_text() for t in fig.axes[0].texts)
+        plots.plt.close(fig)
+    failed = gpus_summary(tmp_path).assign(status="error")
+    fig = plots.figure_model_capacity_gpus(failed)
+    assert "no model_capacity search of more than one GPU finished ok" in fig.axes[0].texts[0].get_text()
+    plots.plt.close(fig)
+    # no sharded rows: the report's capacity section has no per-GPU part
+    assert "### Largest model on several GPUs" not in paper.capacity_section(one_gpu)
+
+
+def test_largest_model_gpus_tables_and_report(tmp_path):
+    from bench.report.tables import (claim_table, largest_model_gpus_finding, largest_model_gpus_table,
+                                     largest_model_gpus_text, largest_model_table)
+
+    summary = gpus_summary(tmp_path)
+    long = largest_model_gpus_table(summary)
+    # adamw and checkpointing: one GPU, then 2 schemes x 2 GPU counts, at 4 memory sizes; adama stays out
+    assert len(long) == 2 * (1 + 2 * 2) * 4 and set(long["method"]) == {"adamw", "checkpointing"}
+    row = long.set_index(["method", "sharding", "world_size", "capacity_gb"]).loc[("adamw", "fsdp", 8, 24)]
+    assert row["n_params"] == pytest.approx(7.5e9) and row["label"] == "adamw [fsdp x8]"
+    assert row["memory_tier"] == "simulated" and row["model"] == "llama-1b"
+
+    text = largest_model_gpus_text(summary)
+    assert list(text.columns[-4:]) == ["16 GiB", "24 GiB", "40 GiB", "80 GiB"]
+    rows = {(r.method, r.scheme, r.world_size): r for r in text.itertuples()}
+    assert len(rows) == 10
+    r = rows[("adamw", "one GPU", 1)]
+    assert [r._10, r._11, r._12, r._13] == ["none", "1.2 B", "2 B", "4 B"]
+    r = rows[("checkpointing", "ZeRO-3", 64)]
+    assert r.memory_tier == "modelled" and r._13 == ">= 65 B"
+    assert text["scheme"].tolist()[:5] == ["one GPU", "FSDP2", "FSDP2", "ZeRO-3", "ZeRO-3"]
+
+    finding = largest_model_gpus_finding(summary)
+    assert finding == ("With 24 GiB per GPU (llama at batch 8 per GPU, seq 512, bfloat16), adamw trains up to "
+                       "1.2 B on one GPU (simulated); under FSDP2 (simulated), up to 7.5 B on 8 GPUs and up to "
+                       "37.5 B on 64; under ZeRO-3 (modelled), up to 6.75 B on 8 GPUs and up to 33.8 B on 64.")
+
+    section = paper.capacity_section(summary)
+    assert "### Largest model on several GPUs" in section and f"**Finding.** {finding}" in section
+    assert ("| llama | 8 | 512 | bfloat16 | checkpointing | ZeRO-3 | 64 | modelled | llama-1b | 29.2 B | "
+            "43.9 B | >= 65 B | >= 65 B |") in section
+    # the one-GPU table and its headlines keep to one GPU
+    assert set(largest_model_table(summary)[["world_size", "sharding"]].itertuples(index=False)) == {(1, "none")}
+    assert "- 24 GiB, llama at batch 8 (seq 512, bfloat16, simulated): adama trains llama-2b" in section
+
+    # a claim compares like with like: one GPU with one GPU, each sharded setting with itself
+    claim = dict(method="checkpointing", versus="adamw", metric="largest_model_ratio", claim="c", setup="s",
+                 source="x")
+    ours = claim_table(summary, [claim]).iloc[0]
+    assert ours["n"] == 3 + 4 * 4 - 4                           # pairs where either is at the top are out
+    assert "24 GiB from llama-1b at batch 8 [fsdp x8]: 7.5 B -> 9.75 B" in ours["ours"]
+    assert "24 GiB from llama-60m at batch 8: 1.2 B -> 1.3 B" in ours["ours"]
+
+
+def test_article_capacity_on_several_gpus(tmp_path):
+    """The article's capacity section: a paragraph and the figure where rows of more than one
+    GPU exist, neither without them."""
+    from bench.report import article
+
+    gpus_summary(tmp_path)
+    sources = article.from_summary(tmp_path / "gpus.csv")
+    text = article.article(sources, [])
+    capacity = text.split("## Capacity", 1)[1].split("## Recommendations", 1)[0]
+    assert "**On several GPUs.**" in capacity and "up to 7.5 B on 8 GPUs and up to 37.5 B on 64" in capacity
+    assert "One GPU, one process" not in text
+    assert article.FIGURE_IF["model_capacity_gpus"](sources.role("capacity"))
+
+    one = pd.read_csv(tmp_path / "gpus.csv")
+    one[one["world_size"] == 1].to_csv(tmp_path / "one.csv", index=False)
+    sources = article.from_summary(tmp_path / "one.csv")
+    text = article.article(sources, [])
+    assert "**On several GPUs.**" not in text and "One GPU, one process" in text
+    assert not article.FIGURE_IF["model_capacity_gpus"](sources.role("capacity"))
