@@ -194,7 +194,7 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
     """One row per memory size for `method` on one of `world_size` GPUs under `sharding`:
     the simulated step at `batch_size` (its peak by category, the GPU need), whether it
     fits, and the largest batch that fits (per GPU: every rank trains on `batch_size`)."""
-    from bench.measure import allocator, capacity, kinds
+    from bench.measure import capacity, kinds
     from bench.method import load
 
     label = label or method
@@ -224,19 +224,32 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
     unit = loaded.hp["micro_batches"]
     if batch_size % unit:
         return failed(f"batch size {batch_size} is not divisible by micro_batches={unit} of {method}")
-    print(f"{label} building {model} on fake tensors, " +
-          (f"a warm-up step at batch {unit}, then the step at batch {batch_size}" if job.sharding == "none" else
-           f"{job.sharding} on {world_size} ranks, each batch its own memory job (a warm-up and the step)"),
+    print(f"{label} building {model} on fake tensors" + (f" ({job.sharding}, rank 0 of {world_size})"
+                                                           if job.sharding == "fsdp" else "") + ", " +
+          (f"a timeline per batch (a warm-up and the step), modelled under {job.sharding} on {world_size} ranks"
+           if job.sharding.startswith("zero") else f"a warm-up step at batch {unit}, then the step at batch "
+                                                   f"{batch_size}"),
           file=sys.stderr, flush=True)
     oracle = capacity.Oracle(job, unit, log_prefix=label, cost=False)  # rows hold no FLOPs
+    try:
+        return _search(oracle, job, base, memory_gb, batch_size, max_batch, unit, label, started, failed)
+    finally:
+        oracle.close()
+
+
+def _search(oracle, job: Job, base: dict, memory_gb: list[float], batch_size: int, max_batch: int, unit: int,
+            label: str, started: float, failed) -> list[dict]:
+    """`answer`'s rows from its oracle: the step at `batch_size`, then the largest batch per size."""
+    from bench.measure import allocator, capacity
+
     oracle.need(batch_size)
     record = oracle.records[batch_size]
     if record["status"] != "ok":
         return failed(record["message"])
     memory = record["memory"]
     sim = oracle.sim
-    persistent = (sum(sim.prefix_live.values()) + allocator.CUDA_CONTEXT_BYTES if job.sharding == "none"
-                  else record["persistent_bytes"])  # what the ranks keep between steps
+    # what a GPU keeps between steps: after the warm-up, or as the ZeRO model counts it
+    persistent = record.get("persistent_bytes") or sum(sim.prefix_live.values()) + allocator.CUDA_CONTEXT_BYTES
     most = max(1, max_batch // unit)
 
     needs: dict[int, int | None] = {}  # batch -> the smallest GPU its trace fits on
@@ -251,7 +264,7 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
     rows = []
     for gb in sorted(memory_gb):
         size = int(gb * GiB)
-        if job.sharding == "none" and not allocator.replay_on_gpu(sim.prefix, size).fits:
+        if hasattr(sim, "prefix") and not allocator.replay_on_gpu(sim.prefix, size).fits:
             k = 0  # the warm-up's trace, with which every step's trace starts, does not fit
         else:
             guess = capacity.guess_largest(lambda k: oracle.need(k * unit), known, size, most, probes=())

@@ -64,6 +64,7 @@ def search(job: Job, memory_gb: list[float], max_batch: int, unit: int) -> dict:
         sizes.append({"memory_gb": gb, "largest_batch": best, "at_max_batch": k == max_batch // unit,
                       "needed_bytes_at_largest": oracle.need_of(record) if record else None,
                       "cost_at_largest": (record or {}).get("cost")})
+    oracle.close()
     return {"tier": oracle.tier, "unit": unit, "max_batch": max_batch,
             "context_bytes": allocator.CUDA_CONTEXT_BYTES if oracle.simulated else 0,
             "sizes": sizes, "runs": oracle.runs, "error": oracle.error}
@@ -76,7 +77,8 @@ def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
     one size fits and the next does not, both answered as that search answers them), with
     one shortcut: a size whose weights alone exceed the memory cannot fit, and is not built
     (under FSDP2 or ZeRO-3, a rank's share of them). Under a sharding scheme each rung's
-    step is the scheme's memory job (`_ShardedRuns`): the memory of one of `job.world_size` GPUs."""
+    step is the memory of one of `job.world_size` GPUs: FSDP2's rank 0 simulated
+    (`_Simulation`), ZeRO's largest rank modelled (`_ZeroRuns`)."""
     rungs = models.ladder(job.model)
     runs: list[dict] = []
     oracles: dict[int, Oracle] = {}
@@ -138,6 +140,8 @@ def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
         sizes.append({"memory_gb": gb, "largest_model": best,
                       "n_params": weights[k - 1][0] if k else 0, "at_ladder_top": k == len(rungs),
                       "needed_bytes_at_largest": oracles[k - 1].need_of(record) if record else None})
+    for o in oracles.values():
+        o.close()
     first = next(iter(oracles.values()), None)
     return {"tier": first.tier if first else ("simulated" if job.simulate else "tracked"),
             "batch_size": job.batch_size, "ladder": rungs,
@@ -210,7 +214,11 @@ class _Simulation:
     so the replay sees a step that follows a warm-up. Half the work of a fresh memory job
     per batch size, and the same live bytes (tests hold it). `cost`: count the step's
     FLOPs and bytes moved (`StepCost`, a dispatch mode of its own on every operator); off,
-    a record's `cost` is None and the step runs faster (`membench fit` reports no cost)."""
+    a record's `cost` is None and the step runs faster (`membench fit` reports no cost).
+
+    Under FSDP2 (`job.sharding` fsdp) the model is rank 0 of `job.world_size` as a
+    simulated sharded memory job has it (`bench.measure.sharded`): sharded once, in a fake
+    process group that stays the default group until another is made (`close` ends it)."""
 
     def __init__(self, job: Job, unit: int, cost: bool = True):
         self.job = job
@@ -218,11 +226,24 @@ class _Simulation:
         self.method = load(job.method, job.hparams)
         self.fake = step.fake_mode()
         warm = replace(job, kind="memory", batch_size=unit)
+        self.group = None
+        if job.sharding == "fsdp":
+            from bench.measure import sharded
+
+            self.group = contextlib.ExitStack()
+            mesh = self.group.enter_context(sharded.fake_mesh(job.world_size))
         self.model, stream = step.setup(warm, self.method, self.fake)
         self.task, self.objective = stream.task, stream.objective
-        self.n_params = models.n_params(self.model)
         self.events: list = []
-        self.tracker = MemoryTracker(events=self.events)
+        if self.group is not None:
+            with self.fake:
+                sharded.shard(self.model, mesh)
+                self.model._get_fsdp_state()._lazy_init()  # before tracking, as in a sharded memory job
+            self.tracker = sharded.ShardedTracker(events=self.events)
+            self.tracker.watch(self.model)
+        else:
+            self.tracker = MemoryTracker(events=self.events)
+        self.n_params = models.n_params(self.model)
         self.tracker.register_model(self.model)
         batch = self._batch(unit)
         with self.fake, self.tracker, cuda_kernels():
@@ -266,46 +287,47 @@ class _Simulation:
         split = self.tracker.peak_split.as_row()
         # host memory (offloading): the ledger's high-water mark so far in this process
         memory = {"tier": "simulated", **split, **step.predict_gpu(trace, None), **self.tracker.host_row()}
-        return {"status": "ok", "message": None, "memory": memory, "n_params": self.n_params,
-                "cost": cost.result() if cost is not None else None}, trace
+        record = {"status": "ok", "message": None, "memory": memory, "n_params": self.n_params,
+                  "cost": cost.result() if cost is not None else None}
+        if self.group is not None:  # what sharding adds at the peak (inside `other`)
+            record["sharding"] = {**self.tracker.sharding_at_peak, "bytes": sum(self.tracker.sharding_at_peak.values())}
+        return record, trace
+
+    def close(self) -> None:
+        """End the fake process group of a sharded simulation (if it is still the default)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
 
-class _ShardedRuns:
-    """A simulated search under a sharding scheme (`job.sharding`, `job.world_size`): each
-    batch a memory job of its own, as the scheme's memory job measures it
-    (`bench.measure.kinds.SHARDED`): FSDP2 on fake tensors and the fake process group,
-    rank 0 (it holds the most: `kinds._fsdp`), or ZeRO modelled from one rank's unsharded
-    timeline, its largest rank. A ZeRO timeline serves every world size and stage: the
-    last job's are kept (`_TIMELINES`). The record's `persistent_bytes` (what the ranks
-    keep between steps, context included) anchors the search's line at batch 0."""
+class _ZeroRuns:
+    """A simulated search under ZeRO (`job.sharding` zero1-3, `job.world_size`): each batch
+    as a ZeRO memory job has it (`bench.measure.kinds._zero`): modelled from one rank's
+    unsharded timeline at that batch, its largest rank. A timeline serves every world size
+    and stage: the last job's are kept (`_TIMELINES`). The record's `persistent_bytes`
+    (what a rank keeps between steps, context included) anchors the search's line at batch 0."""
 
     def __init__(self, job: Job):
         self.job = job
         self.method = load(job.method, job.hparams)
 
     def measure(self, batch_size: int) -> tuple[dict, list]:
-        from bench.measure import sharded, zero
+        from bench.measure import zero
 
         job = replace(self.job, batch_size=batch_size)
-        if job.sharding == "fsdp":
-            result = sharded.measure_rank(job, self.method, job.world_size, 0)
-            memory, events = result["memory"], result["events"]
-            kept, n_params, tier = sum(result["after_step"].values()), result["n_params"], "simulated"
-        else:
-            timeline = _timeline(job)
-            ranks = zero.model_ranks(timeline, zero.ZeroConfig(stage=int(job.sharding[-1]),
-                                                              world_size=job.world_size))
-            result = ranks["max"]
-            events = result["events"]
-            memory = {**result["memory"], **step.predict_gpu(events, None)}
-            sizes = zero.state_sizes(timeline, zero.ZeroConfig(stage=int(job.sharding[-1]),
-                                                               world_size=job.world_size), result["rank"])
-            kept, n_params, tier = sizes.param + sizes.master + sizes.state, timeline.unsharded["n_params"], \
-                "modelled"
-        record = {"status": "ok", "message": None, "n_params": n_params, "cost": None,
-                  "memory": {**memory, "tier": tier}, "sharding": result["sharding"],
-                  "persistent_bytes": kept + allocator.CUDA_CONTEXT_BYTES}
+        timeline = _timeline(job)
+        cfg = zero.ZeroConfig(stage=int(job.sharding[-1]), world_size=job.world_size)
+        result = zero.model_ranks(timeline, cfg)["max"]
+        events = result["events"]
+        sizes = zero.state_sizes(timeline, cfg, result["rank"])
+        record = {"status": "ok", "message": None, "n_params": timeline.unsharded["n_params"], "cost": None,
+                  "memory": {**result["memory"], **step.predict_gpu(events, None), "tier": "modelled"},
+                  "sharding": result["sharding"],
+                  "persistent_bytes": sizes.param + sizes.master + sizes.state + allocator.CUDA_CONTEXT_BYTES}
         return record, events
+
+    def close(self) -> None:
+        pass
 
 
 _TIMELINES: dict = {}  # (the unsharded job, batch) -> its ZeRO timeline: the last job's only
@@ -355,7 +377,7 @@ class Oracle:
     def _simulate(self, batch: int) -> tuple[dict, list | None]:
         try:
             if self.sim is None:
-                self.sim = (_ShardedRuns(self.job) if self.job.sharding != "none" else
+                self.sim = (_ZeroRuns(self.job) if self.job.sharding.startswith("zero") else
                             _Simulation(self.job, self.unit, self.cost))
             return self.sim.measure(batch)
         except Exception as e:  # recorded as the search's error, like a failed memory job
@@ -392,6 +414,11 @@ class Oracle:
             self.records[batch], self.traces[batch] = record, events
             self._note(record, batch, None)
         return self.records[batch]
+
+    def close(self) -> None:
+        """Let go of the simulation (a sharded one's fake process group)."""
+        if self.sim is not None:
+            self.sim.close()
 
     def need_of(self, record: dict) -> int | None:
         mem = record.get("memory") or {}

@@ -135,25 +135,35 @@ def local_numel(shape, world_size: int, rank: int) -> int:
 def process_group(world_size: int, rank: int, fake: bool):
     """The default process group for one rank: the fake backend (simulated, any size), or
     the gloo group the caller initialised (`run_ranks`). A fake group made here is
-    destroyed on exit."""
+    destroyed on exit, if it is still the default group."""
     import torch.distributed as dist
 
-    made = False
+    made = None
     if fake:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         if dist.is_initialized():
             dist.destroy_process_group()
         dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-        made = True
+        made = dist.group.WORLD
     elif not dist.is_initialized() or dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise RuntimeError(f"a real sharded run needs an initialised process group of rank {rank} "
                            f"of {world_size} (bench.measure.sharded.run_ranks makes one)")
     try:
         yield
-    finally:
-        if made:
+    finally:  # unless a later fake group has replaced it
+        if made is not None and dist.is_initialized() and dist.group.WORLD is made:
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_mesh(world_size: int, rank: int = 0):
+    """The one-dimensional cpu mesh of rank `rank` of `world_size` in a fake process group
+    (`process_group`), for a simulated model that outlives one call (a capacity search's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with process_group(world_size, rank, fake=True):
+        yield init_device_mesh("cpu", (world_size,))
 
 
 # -- the tracker -------------------------------------------------------------------

@@ -196,6 +196,9 @@ def test_a_rungs_weights_are_shared_among_the_gpus_before_it_is_built(monkeypatc
             self.records[batch] = {"status": "ok"}
             return True
 
+        def close(self):
+            pass
+
     monkeypatch.setattr(capacity, "Oracle", Stub)
     job = Job(kind="model_capacity", method="adamw", model="gpt2-tiny", batch_size=1, seq_len=8, simulate=True,
               dtype="bfloat16", world_size=64, sharding="fsdp")
