@@ -38,7 +38,8 @@ code { background: #f1f2f4; padding: 0 3px; border-radius: 3px; font-size: 0.92e
 em { color: #444; }
 @media print {
   nav { display: none; } main { margin: 0; padding: 0; max-width: none; }
-  body { font-size: 10pt; } table { font-size: 7.5pt; display: table; } th, td { padding: 2px 4px; }
+  body { font-size: 10pt; } table { font-size: 7.5pt; display: table; width: 100%; }
+  th, td { padding: 2px 4px; overflow-wrap: break-word; }
   h2 { page-break-before: always; } h1 + p + h2 { page-break-before: avoid; }
   img { page-break-inside: avoid; max-height: 23cm; } tr { page-break-inside: avoid; }
 }
@@ -75,11 +76,18 @@ def _toc(tokens: list[dict], depth: int = 3) -> str:
     return f'<div class="title">{title}</div>{items(top)}'
 
 
+def _breakable_stacks(body: str) -> str:
+    """A line may break after each '+' of a stack in a table cell ("checkpointing+<wbr>lomo"):
+    a cell of long stacks then wraps instead of widening the table past the page."""
+    return re.sub(r"<td([^>]*)>(.*?)</td>", lambda m: f"<td{m.group(1)}>{m.group(2).replace('+', '+<wbr>')}</td>",
+                  body, flags=re.S)
+
+
 def to_html(text: str, base: Path) -> str:
     """The article's markdown -> a complete HTML page, figures embedded, contents sidebar."""
     md = markdown.Markdown(extensions=["tables", "toc", "attr_list", "sane_lists"],
                            extension_configs={"toc": {"toc_depth": "1-3"}})
-    body = _embed(md.convert(text), base)
+    body = _embed(_breakable_stacks(md.convert(text)), base)
     title = re.search(r"^# (.+)$", text, re.M)
     title = html.escape(title.group(1)) if title else "membench"
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
