@@ -6,6 +6,40 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(config, items):
+    """Which tests share a worker under `--dist loadgroup` (pyproject's addopts): the tests
+    of one `xdist_group`, and (without a group of their own) the tests of one module that
+    need a module-scoped fixture (not an autouse one): such a fixture is made once, not on
+    each worker that runs one of its tests (a real multi-process run, a `membench fit`).
+
+    xdist sends a group to one worker by the `@group` suffix of its tests' node ids.
+    pytest-xdist 3.8 adds it by setting `item._nodeid`, which pytest 9 no longer reads (a
+    node's id is `item._id`): the groups were split over both workers, and what they share
+    (the smoke run) was made on each. Here the suffix is added where it is missing."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist's workers only
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest before 9: xdist's own renaming works (module fixtures stay per worker)
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        group = "_".join(names) if names else _module_fixture_group(item)
+        if group and not item.nodeid.endswith("@" + group):
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")
+
+
+def _module_fixture_group(item) -> str | None:
+    """The test's module path if it needs a module-scoped fixture that is not autouse."""
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        defs = info.name2fixturedefs.get(name) if info is not None else None
+        if defs and defs[-1].scope == "module" and not getattr(defs[-1], "_autouse", True):
+            return "module-fixtures-" + item.nodeid.split("::")[0]
+    return None
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """One intra-op thread for every test: on a shared 2-core machine, waiting for a busy
@@ -69,6 +103,35 @@ def tiny_job():
         return Job(**{**base, **kw})
 
     return make
+
+
+# Packages that allocate a small tensor once per process, in the first step that needs it
+# (galore-torch: 128 bytes of `other` in its first real run, none in later ones, none on
+# fake tensors): their real run is measured after one run that pays it, so a result does
+# not depend on which tests ran before it in the process.
+FIRST_USE = {"galore_torch"}
+_PAIRS: dict = {}
+
+
+def memory_pair(method: str, model: str = "gpt2-tiny") -> tuple[dict, dict]:
+    """The tracked and the simulated memory job of `method` on `model` (tiny_job's batch,
+    4 x 32), each run once per process: tests/methods/test_simulated.py compares their
+    bytes, tests/unit/test_cost.py their FLOPs and bytes moved. The tests that read one
+    pair carry `pair_group(method, model)`, which puts them on one worker."""
+    if (method, model) not in _PAIRS:
+        from bench.job import Job
+        from bench.measure import runner
+
+        job = dict(kind="memory", method=method, model=model, batch_size=4, seq_len=32)
+        if method in FIRST_USE:  # its one-time allocation lands in the first run of a process
+            runner.run(Job(**job))
+        _PAIRS[method, model] = runner.run(Job(**job)), runner.run(Job(**job, simulate=True))
+    return _PAIRS[method, model]
+
+
+def pair_group(method: str, model: str = "gpt2-tiny"):
+    """The xdist group of the tests that read memory_pair(method, model)."""
+    return pytest.mark.xdist_group(f"memory-pair-{method}-{model}")
 
 
 WORKFLOW_PARTS = ("Snakefile", "pyproject.toml", "bench", "methods", "config", "profiles",

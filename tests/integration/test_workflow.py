@@ -68,20 +68,24 @@ def test_smoke_suite_end_to_end(smoke_run):
     runs = lambda counts: sum(n for rule, n in counts.items() if rule.startswith("run_"))  # noqa: E731
     assert runs(job_counts(other.stdout)) == len(plan.groups(planned, "paper-memory"))
 
-    # a deleted pre-training result runs the pre-training again, and the fine-tuning after it
+    # a deleted pre-training result runs the pre-training again, and the fine-tuning after it;
+    # a deleted result reruns its group (the jobs that share its process), nothing else. Both
+    # deleted for one dry run: the groups it plans are named, each deletion's own
     pretraining = pretrained.with_suffix(".json")
-    kept = pretraining.read_bytes()
-    pretraining.unlink()
-    rerun = snakemake(workflow_copy, "-n", *SMOKE)
-    pretraining.write_bytes(kept)
-    assert runs(job_counts(rerun.stdout)) == 2 and "finetune" in rerun.stdout
-
-    # a deleted result reruns its group (the jobs that share its process), nothing else
     victim = next((results / "runs" / "smoke" / "convergence").rglob("*seed1-tuned.json"))
-    kept = victim.read_bytes()
-    victim.unlink()
+    kept = {path: path.read_bytes() for path in (pretraining, victim)}
+    for path in kept:
+        path.unlink()
     rerun = snakemake(workflow_copy, "-n", *SMOKE)
-    victim.write_bytes(kept)  # the run is shared (smoke_run): leave it whole
+    for path, data in kept.items():
+        path.write_bytes(data)  # the run is shared (smoke_run): leave it whole
+    groups = plan.groups(plan.plan({**plan.load(workflow_copy / "config" / "config.yaml"), "suite": "smoke"}),
+                         "smoke")
+    group_of = {p: gid for gid, paths in groups.items() for p in paths}
+    finetune = [gid for gid, paths in groups.items() if any("-finetune" in p for p in paths)]
+    expected = {plan.rule_name(group_of[str(p.relative_to(workflow_copy))]) for p in kept} | set(
+        map(plan.rule_name, finetune))
     counts = job_counts(rerun.stdout)
-    assert runs(counts) == 1
+    assert {rule: n for rule, n in counts.items() if rule.startswith("run_")} == dict.fromkeys(expected, 1)
+    assert len(expected) == 3 and "finetune" in rerun.stdout
     assert str(victim.relative_to(workflow_copy)) in rerun.stdout

@@ -6,15 +6,17 @@ import pytest
 from bench.measure import runner
 from bench.job import CATEGORIES
 from bench.method import available, load
+from conftest import memory_pair, pair_group
 
 BASELINES = ["adamw", "grad_accum", "checkpointing", "checkpointing+grad_accum"]
 
 
-@pytest.mark.parametrize("model", ["gpt2-tiny", "bert-tiny", "llama-tiny"])
-@pytest.mark.parametrize("method", BASELINES)
-def test_simulated_equals_tracked(tiny_job, model, method):
-    real = runner.run(tiny_job(model=model, method=method))
-    fake = runner.run(tiny_job(model=model, method=method, simulate=True))
+# The runs are memory_pair's: tests/unit/test_cost.py compares the FLOPs of the same pair
+@pytest.mark.parametrize("method, model", [pytest.param(method, model, marks=pair_group(method, model))
+                                           for method in BASELINES
+                                           for model in ("gpt2-tiny", "bert-tiny", "llama-tiny")])
+def test_simulated_equals_tracked(model, method):
+    real, fake = memory_pair(method, model)
     assert real["status"] == fake["status"] == "ok", (real.get("message"), fake.get("message"))
     assert fake["memory"]["tier"] == "simulated" and fake["loss"] is None
     r, f = real["memory"], fake["memory"]
@@ -35,21 +37,12 @@ def test_simulated_equals_tracked(tiny_job, model, method):
         assert f["peak_bytes"] == r["peak_bytes"]
 
 
-# Packages that allocate a small tensor once per process, in the first step that needs it
-# (galore-torch: 128 bytes of `other` in its first real run, none in later ones, none on
-# fake tensors): their real run is measured after one run that pays it, so the test does
-# not depend on which tests ran before it in the process.
-FIRST_USE = {"galore_torch"}
-
-
-@pytest.mark.parametrize("method", [m for m in available() if m not in BASELINES])
-def test_every_method_simulates_as_it_runs(tiny_job, method):
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pair_group(m)) for m in available() if m not in BASELINES])
+def test_every_method_simulates_as_it_runs(method):
     """Byte for byte as its real run, or, where the method declares `simulates = False`,
-    the clear message: the declaration is checked against what happens, both ways."""
-    if method in FIRST_USE:  # its one-time allocation lands in the first run of a process
-        runner.run(tiny_job(method=method))
-    real = runner.run(tiny_job(method=method))
-    fake = runner.run(tiny_job(method=method, simulate=True))
+    the clear message: the declaration is checked against what happens, both ways. (A
+    package's one-time allocation is paid before the real run: conftest.FIRST_USE.)"""
+    real, fake = memory_pair(method)
     assert real["status"] == "ok", real.get("message")
     if not load(method).simulates:
         assert fake["status"] == "error" and "cannot run on fake tensors" in fake["message"]

@@ -8,13 +8,16 @@ from bench.job import Job
 from bench.measure import runner
 from bench.measure.cost import StepCost, _svd_flops
 from bench.method import available
+from conftest import memory_pair, pair_group
 
 BATCH, SEQ = 4, 16
 _RUNS: dict = {}
+LLAMA_RUNS = pytest.mark.xdist_group("cost-llama-runs")  # the tests that share run(): one worker
 
 
 def run(method: str, simulate: bool = False) -> dict:
-    """A memory job on llama-tiny (each run once per test session: the tests share them)."""
+    """A memory job on llama-tiny (each run once per process: the tests that share them are
+    LLAMA_RUNS, on one worker)."""
     key = (method, simulate)
     if key not in _RUNS:
         _RUNS[key] = runner.run(Job(kind="memory", method=method, model="llama-tiny",
@@ -72,7 +75,7 @@ def test_optimizer_phase_and_torch_flop_counter_agree():
     assert optimizer["flops"] == 0 and optimizer["ops"] > 0
     assert optimizer["bytes_moved"] >= 4 * 4 * n_params  # reads p, g, m, v at least once
 
-
+@LLAMA_RUNS
 def test_checkpointing_adds_the_recomputed_forward():
     """Checkpointing's step costs AdamW's plus the recomputation inside backward, and that
     recomputation is each block's forward up to the last saved tensor: non-reentrant
@@ -107,7 +110,7 @@ def test_checkpointing_adds_the_recomputed_forward():
     assert extra == blocks + attention - down
     assert b["phases"]["forward"]["flops"] == counter.get_total_flops() + attention
 
-
+@LLAMA_RUNS
 def test_galore_amortizes_its_svd_over_the_refresh_interval():
     from bench import models
     from methods.galore import GaLore, split_params
@@ -123,7 +126,7 @@ def test_galore_amortizes_its_svd_over_the_refresh_interval():
     svd_rows = [r for r in record["cost"]["per_op"] if r[1] == "_linalg_svd"]
     assert svd_rows and all(r[0] == "periodic" for r in svd_rows)  # the measured step has none
 
-
+@LLAMA_RUNS
 def test_adama_updates_inside_backward():
     """AdamA folds each gradient into its moments inside backward: that work is backward's."""
     base, adama = run("adamw"), run("adama")
@@ -135,13 +138,10 @@ def test_adama_updates_inside_backward():
 SKIP_REAL = {"adamw_8bit"}  # cannot run on fake tensors (tests/methods/test_simulated.py)
 
 
-SHARED = {"adamw", "checkpointing", "adama", "galore"}  # run by the tests above anyway
+SHARED = ["adamw", "checkpointing", "adama", "galore"]  # their llama-tiny runs: the tests above
 
 
-@pytest.mark.parametrize("method", [m if m in SHARED else pytest.param(m, marks=pytest.mark.slow)
-                                    for m in available() if m not in SKIP_REAL])
-def test_simulated_cost_equals_tracked_cost(method):
-    real, fake = run(method), run(method, simulate=True)
+def assert_same_cost(method, real, fake):
     assert real["status"] == "ok", real.get("message")
     if fake["status"] == "error" and "cannot run on fake tensors" in fake["message"]:
         pytest.skip(fake["message"])
@@ -154,3 +154,17 @@ def test_simulated_cost_equals_tracked_cost(method):
         # everything else too; on fake tensors Hugging Face materialises the causal mask, which
         # only the recomputation of checkpointing meets (tests/methods/test_simulated.py)
         assert f["per_op"] == r["per_op"]
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pair_group(m)) for m in available() if m not in SKIP_REAL])
+def test_simulated_cost_equals_tracked_cost(method):
+    """Every method on gpt2-tiny (batch 4 x 32): the pair of runs whose bytes
+    tests/methods/test_simulated.py compares (conftest.memory_pair, one run each)."""
+    assert_same_cost(method, *memory_pair(method))
+
+
+@LLAMA_RUNS
+@pytest.mark.parametrize("method", SHARED)
+def test_simulated_cost_equals_tracked_cost_on_llama(method):
+    """The other causal family (RMSNorm, rotary embeddings, SiLU), on the runs above."""
+    assert_same_cost(method, run(method), run(method, simulate=True))
