@@ -98,7 +98,7 @@ def test_one_fake_model_per_search_gives_a_memory_jobs_bytes(tiny_job, method):
     unit = 4 if method in ("grad_accum", "adama") else 1
     sim = capacity._Simulation(tiny_job(kind="capacity", method=method, seq_len=64,
                                         simulate=True), unit)
-    alone = {}  # batch -> its memory job (8 is measured twice by the search, run once alone)
+    alone = {}  # batch -> its memory job: batch 8 is measured twice, its memory job run once
     for batch in (8, 4 * unit, 8):
         record, trace = sim.measure(batch)
         if batch not in alone:

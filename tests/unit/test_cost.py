@@ -75,6 +75,7 @@ def test_optimizer_phase_and_torch_flop_counter_agree():
     assert optimizer["flops"] == 0 and optimizer["ops"] > 0
     assert optimizer["bytes_moved"] >= 4 * 4 * n_params  # reads p, g, m, v at least once
 
+
 @LLAMA_RUNS
 def test_checkpointing_adds_the_recomputed_forward():
     """Checkpointing's step costs AdamW's plus the recomputation inside backward, and that
@@ -110,6 +111,7 @@ def test_checkpointing_adds_the_recomputed_forward():
     assert extra == blocks + attention - down
     assert b["phases"]["forward"]["flops"] == counter.get_total_flops() + attention
 
+
 @LLAMA_RUNS
 def test_galore_amortizes_its_svd_over_the_refresh_interval():
     from bench import models
@@ -125,6 +127,7 @@ def test_galore_amortizes_its_svd_over_the_refresh_interval():
     assert periodic["flops"] == pytest.approx(expected, rel=1e-9)
     svd_rows = [r for r in record["cost"]["per_op"] if r[1] == "_linalg_svd"]
     assert svd_rows and all(r[0] == "periodic" for r in svd_rows)  # the measured step has none
+
 
 @LLAMA_RUNS
 def test_adama_updates_inside_backward():
