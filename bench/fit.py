@@ -20,7 +20,11 @@ state that persists between steps (a batch of zero); it steers by the smallest G
 run's trace replays on (`smallest_gpu`: under a cap the allocator frees its cache and
 retries, so the unlimited reserve overstates what fits). A memory size where the warm-up's
 own trace does not fit gets 0 with no run (every step's trace starts with the warm-up's).
-The boundary is run, not extrapolated: the largest batch fits and the next one does not.
+The boundary (the largest batch fits and the next one does not) is answered as every batch
+is: by a step run, or, between batches whose steps' traces lie on one line in the batch
+(three of them, byte for byte: `bench.measure.trace_line`), by the trace that line gives,
+which is the one the step would make; so a step well beyond the largest size's answer
+(twice a first guess) is run early, and the boundaries below it are computed, not run.
 The steps count no FLOPs (fit reports none; `StepCost` would cost a dispatch mode per
 operator).
 
@@ -249,18 +253,26 @@ def _search(oracle, job: Job, base: dict, memory_gb: list[float], batch_size: in
     memory = record["memory"]
     sim = oracle.sim
     # what a GPU keeps between steps: after the warm-up, or as the ZeRO model counts it
-    persistent = record.get("persistent_bytes") or sum(sim.prefix_live.values()) + allocator.CUDA_CONTEXT_BYTES
+    persistent = (record.get("persistent_bytes")
+                  or sum(n for _, n in sim.prefix_live.values()) + allocator.CUDA_CONTEXT_BYTES)
     most = max(1, max_batch // unit)
 
-    needs: dict[int, int | None] = {}  # batch -> the smallest GPU its trace fits on
+    needs: dict[int, tuple] = {}  # batch -> (its record, the smallest GPU its trace fits on)
 
     def known() -> dict:  # k micro-batch units -> bytes; k = 0: the state kept between steps
         for b, r in oracle.records.items():
-            if b not in needs:
-                needs[b] = (smallest_gpu(oracle.traces[b], r["memory"]) if r["status"] == "ok"
-                            else None)
-        return {0: persistent} | {b // unit: n for b, n in needs.items() if b % unit == 0}
+            if needs.get(b, (None,))[0] is not r:
+                needs[b] = r, (smallest_gpu(oracle.traces[b], r["memory"]) if r["status"] == "ok" else None)
+        return {0: persistent} | {b // unit: needs[b][1] for b in oracle.records if b % unit == 0}
 
+    if oracle.line is not False:
+        # a step beyond the largest size's answer (twice the guess of a line through batch 0
+        # and --batch-size), so that the batches the search asks about lie between steps
+        # run: on a confirmed line (`bench.measure.trace_line`) they are computed, not run
+        k0 = batch_size // unit
+        rise = known()[k0] - persistent
+        guess = (int(max(memory_gb) * GiB) - persistent) // rise * k0 if rise > 0 else most
+        oracle.need(unit * min(most, max(2 * guess, 2 * k0)))
     rows = []
     for gb in sorted(memory_gb):
         size = int(gb * GiB)
@@ -285,11 +297,13 @@ def _search(oracle, job: Job, base: dict, memory_gb: list[float], batch_size: in
                      "largest_batch": k * unit, "at_max_batch": k == most,
                      "predicted_gpu_bytes_at_largest":
                          largest["memory"]["predicted_gpu_bytes"] if k and largest else None})
-    steps = sorted(oracle.records)
+    steps = sorted(b for b, r in oracle.records.items() if not r.get("line"))
+    computed = sorted(b for b, r in oracle.records.items() if r.get("line"))
     print(f"{label} " + "; ".join(f"{r['memory_gb']:g} GiB: {'fits' if r['fits'] else 'does not fit'}"
                                   f", largest batch {r['largest_batch']}" for r in rows)
-          + f" ({len(steps)} steps: batch {', '.join(map(str, steps))}; "
-            f"{time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+          + f" ({len(steps)} steps: batch {', '.join(map(str, steps))}"
+          + (f"; from their line: batch {', '.join(map(str, computed))}" if computed else "")
+          + f"; {time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
     return rows
 
 

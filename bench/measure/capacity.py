@@ -38,7 +38,7 @@ import time
 from dataclasses import replace
 
 from bench import data, models
-from bench.measure import allocator, kinds, step
+from bench.measure import allocator, kinds, step, trace_line
 from bench.measure.cost import StepCost
 from bench.measure.tracker import MemoryTracker, cuda_kernels
 from bench.method import load
@@ -255,7 +255,7 @@ class _Simulation:
         self.prefix_live = self._live()
 
     def _live(self) -> dict:
-        return self.tracker.live_bytes()
+        return self.tracker.live_storages()
 
     def _batch(self, size: int) -> dict:
         stream = data.Stream(self.task, self.objective, models.vocab_size(self.job.model), size,
@@ -266,9 +266,13 @@ class _Simulation:
 
     def measure(self, batch_size: int) -> tuple[dict, list]:
         """A memory-job-like record of one measured step at `batch_size`, and its trace."""
+        # the state the warm-up left, then what is no longer or newly alive (by serial: a
+        # storage at an address the warm-up's used is another storage)
         live = self._live()
-        trace = (self.prefix + [("free", k) for k in self.prefix_live if k not in live]
-                 + [("alloc", k, n) for k, n in live.items() if k not in self.prefix_live])
+        trace = (self.prefix + [("free", k) for k, (serial, _) in self.prefix_live.items()
+                                if live.get(k, (None,))[0] != serial]
+                 + [("alloc", k, n) for k, (serial, n) in live.items()
+                    if self.prefix_live.get(k, (None,))[0] != serial])
         mark = len(self.events)
         self.tracker.register_model(self.model)  # the grad hooks, removed on each exit
         batch = self._batch(batch_size)  # made outside fake mode: real tokens, then faked
@@ -365,6 +369,11 @@ class Oracle:
         self.capped: dict[tuple, dict] = {}  # (batch, capacity) -> record of a capped run
         self.runs: list[dict] = [] if runs is None else runs  # shared by a model search's sizes
         self.error: str | None = None
+        # a search that keeps no cost computes a batch's trace from the line of the last two
+        # steps run once a third lies on it (`trace_line`), between the batches run on it:
+        # None while there is none, False if a later step was off a confirmed line
+        self.line: trace_line.Line | bool | None = None if self.simulated and not cost else False
+        self._last: tuple | None = None  # the last step run: (batch, trace)
         # the line printed per run starts with this
         self.log_prefix = log_prefix or f"[capacity {job.method} {job.model}]"
         self._started = time.perf_counter()
@@ -391,7 +400,8 @@ class Oracle:
         self.runs.append({"model": self.job.model, "batch_size": batch, "status": record["status"],
                           "peak_bytes": record.get("memory", {}).get("peak_bytes"),
                           "needed_bytes": self.need_of(record), "capacity_gb": capacity_gb,
-                          "n_params": record.get("n_params")})
+                          "n_params": record.get("n_params"),
+                          **({"line": record["line"]} if record.get("line") else {})})
         need = self.need_of(record)
         if record["status"] != "ok":
             said = f"{record['status']}: {record['message']}"
@@ -400,6 +410,8 @@ class Oracle:
         else:
             size = f"{need / 2**30:.1f} GiB" if need >= 10 * 2**30 else f"{need / 2**20:.0f} MiB"
             said = f"{size} {'predicted' if self.simulated else 'needed'}"
+            if record.get("line"):
+                said += f" (not run: on the line through batches {', '.join(map(str, record['line']))})"
         now = time.perf_counter()
         print(f"{self.log_prefix} batch {batch} -> {said} ({now - self._started:.1f} s)",
               file=sys.stderr, flush=True)
@@ -408,12 +420,45 @@ class Oracle:
     def _record(self, batch: int) -> dict:
         if batch not in self.records:
             if self.simulated:
-                record, events = self._simulate(batch)
+                record, events = self._from_line(batch) or self._simulate(batch)
+                if not record.get("line"):
+                    self._follow_line(batch, record, events)
             else:
                 record, events = self._run(replace(self.job, batch_size=batch)), None
             self.records[batch], self.traces[batch] = record, events
             self._note(record, batch, None)
         return self.records[batch]
+
+    def _from_line(self, batch: int) -> tuple[dict, list] | None:
+        """The record and trace at `batch` computed from the line of the steps run, once a
+        third step lies on it (else None: the step is run). The record has no split by
+        category and no cost: the trace's replay, which is all a search reads."""
+        if not self.line or not self.line.confirmed or not self.line.within(batch):
+            return None
+        trace = self.line.at(batch)
+        if trace is None:
+            return None
+        n_params = next(r["n_params"] for r in self.records.values() if not r.get("line"))
+        return {"status": "ok", "message": None, "n_params": n_params, "cost": None,
+                "line": sorted(self.line.batches),
+                "memory": {"tier": self.tier, **step.predict_gpu(trace, None)}}, trace
+
+    def _follow_line(self, batch: int, record: dict, trace: list | None) -> None:
+        """After a step run: it confirms the line, or widens a confirmed one, if it lies on
+        it; else the last two steps make the next line. A step off a confirmed line ends it
+        for this search, and what was computed from it is run again as it is asked for."""
+        if self.line is False or record["status"] != "ok":
+            return
+        last, self._last = self._last, (batch, trace)
+        if self.line is not None and self.line.holds(batch, trace):
+            return
+        if self.line is not None and self.line.confirmed:
+            for b in [b for b, r in self.records.items() if r.get("line")]:
+                del self.records[b], self.traces[b]
+            self.line = False
+        elif last is not None:
+            line = trace_line.Line(last, (batch, trace))
+            self.line = line if line.same_shape else None
 
     def close(self) -> None:
         """Let go of the simulation (a sharded one's fake process group)."""

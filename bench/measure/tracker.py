@@ -131,7 +131,10 @@ class MemoryTracker(TorchDispatchMode, Tracker):
         self.host = HostLedger()
         self.transfer_bytes = 0
         self._on_host = 0  # > 0: new storages are host memory
-        self._live: dict[int, list] = {}  # storage key -> [bytes, category, pinned]
+        # storage key (its address, which a later storage may reuse) -> [bytes, category,
+        # pinned, serial (which storage: a number no other storage of this tracker gets)]
+        self._live: dict[int, list] = {}
+        self._serial = 0
         self._totals = dict.fromkeys(CATEGORIES, 0)
         self.current = 0
         self.peak = 0
@@ -166,7 +169,8 @@ class MemoryTracker(TorchDispatchMode, Tracker):
         if tensor.device.type == "cpu" and not self.device_is_cpu:  # host memory no method put in the ledger
             return
         size = self._size(storage)
-        self._live[key] = [size, category, pinned]
+        self._live[key] = [size, category, pinned, self._serial]
+        self._serial += 1
         self._totals[category] += size
         self.current += size
         if self.events is not None:
@@ -251,6 +255,11 @@ class MemoryTracker(TorchDispatchMode, Tracker):
     def live_bytes(self) -> dict[int, int]:
         """Storage key -> bytes, for every storage alive now."""
         return {key: entry[0] for key, entry in self._live.items()}
+
+    def live_storages(self) -> dict[int, tuple[int, int]]:
+        """Storage key -> (its serial, bytes), for every storage alive now: the serial tells
+        a storage from an earlier one at the same address."""
+        return {key: (entry[3], entry[0]) for key, entry in self._live.items()}
 
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (e.g. after a warm-up step), and count
