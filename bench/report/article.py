@@ -27,7 +27,7 @@ from bench.report.markdown import markdown_table
 from bench.report.tables import (BASELINE, CATEGORIES, CLAIM_METRICS, MIB, T975, capacity_table, claim_pairs,
                                  claim_table, convergence_table, geomean, largest_model_gpus_finding,
                                  largest_model_gpus_table, largest_model_table, memory_table,
-                                 model_order, parameters_text, read_curves, read_summary,
+                                 model_order, parameters_text, read_curves, read_summary, scheme_name,
                                  simulation_accuracy_table, task_label, throughput_table)
 
 SIZES = (16, 24, 40, 80)           # GPU memory sizes the recommendations are made for (GiB)
@@ -403,6 +403,60 @@ def _estimated(frame: pd.DataFrame, method: str, model: str, gb: float) -> float
     return float(rows.iloc[-1]) if len(rows) else np.nan
 
 
+def recommend_gpus(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per (memory size per GPU, GPU count above 1, family and batch): the method(s) and
+    scheme(s) that train the largest model per GPU, AdamW's largest on as many GPUs (its best
+    scheme) and on one. Empty without searches of several GPUs."""
+    cols = ["capacity_gb", "world_size", "family", "batch_size", "labels", "model", "n_params", "at_top",
+            "tiers", "base_label", "base_params", "one_gpu_params"]
+    t = largest_model_gpus_table(frame)
+    t = t[t["status"] == "ok"] if len(t) else t
+    rows = []
+    for (gb, fam, batch), g in (t.groupby(["capacity_gb", "family", "batch_size"], sort=True) if len(t) else []):
+        one = g[(g["world_size"] == 1) & (g["method"] == BASELINE)]["n_params"]
+        for n, h in g[g["world_size"] > 1].groupby("world_size", sort=True):
+            best = h["n_params"].max()
+            top = h[h["n_params"] == best]
+            base = h[h["method"] == BASELINE].sort_values("n_params")
+            rows.append({"capacity_gb": gb, "world_size": n, "family": fam, "batch_size": batch,
+                         "labels": [f"{m} ({scheme_name(s, n)})" for m, s in zip(top["method"], top["sharding"])],
+                         "model": top["largest_model"].iloc[0], "n_params": best,
+                         "at_top": bool((top["at_ladder_top"] == 1).any()),
+                         "tiers": sorted(set(top["memory_tier"].dropna())),
+                         "base_label": (f"{parameters_text(base['n_params'].iloc[-1])} "
+                                        f"({scheme_name(base['sharding'].iloc[-1], n)})") if len(base) else None,
+                         "base_params": base["n_params"].iloc[-1] if len(base) else np.nan,
+                         "one_gpu_params": one.iloc[0] if len(one) else np.nan})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def gpus_recommendations(cap: pd.DataFrame, speed_rows: pd.DataFrame) -> str:
+    """The recommendation table per GPU of several (empty text without such searches)."""
+    best = recommend_gpus(cap)
+    if best.empty:
+        return ""
+    rows = []
+    for _, r in best.iterrows():
+        size = (">= " if r["at_top"] else "") + f"{r['model']} ({parameters_text(r['n_params'])})"
+        one = r["one_gpu_params"]
+        order = by_speed(speed_rows, list(dict.fromkeys(label.split(" (")[0] for label in r["labels"])), r["family"])
+        labels = sorted(r["labels"], key=lambda label: order.index(label.split(" (")[0]))  # the fastest first
+        rows.append([f"{r['capacity_gb']:g}", str(int(r["world_size"])), r["family"], " = ".join(labels),
+                     size + f", {', '.join(r['tiers'])}", r["base_label"] or NOT_MEASURED,
+                     (f"{parameters_text(one)}; {r['n_params'] / one:.2f}x" if pd.notna(one) and one else "–"),
+                     speed_cost(speed_rows, order[0], r["family"])])
+    batch = ", ".join(str(int(b)) for b in sorted(best["batch_size"].unique()))
+    return "\n\n".join([
+        f"### On several GPUs: the largest model per GPU (batch {batch} per GPU)",
+        "Each GPU of N trains its own batch; the answer is per GPU (under FSDP2 rank 0's memory, "
+        "simulated; under ZeRO the largest rank's, modelled). Memory only: the collectives' time is "
+        "not in these searches (`membench fit --gpus N` estimates it per step). Only the methods "
+        "searched on several GPUs enter; which methods can shard at all: docs/sharding.md.",
+        markdown_table(rows, ["GiB per GPU", "GPUs", "family", "method (scheme)", "largest model per GPU",
+                              f"{BASELINE} on as many", f"{BASELINE} on one GPU; ratio", "speed vs adamw"],
+                       "rrllllll")])
+
+
 def recommendations(sources: Sources) -> str:
     cap, speed_rows = sources.role("capacity"), sources.role("speed")
     gaps = convergence_gaps(sources.role("convergence"))
@@ -461,7 +515,8 @@ def recommendations(sources: Sources) -> str:
         "### The largest batch",
         markdown_table(b_rows, ["GiB", "family", "model", "method", "largest batch", f"{BASELINE}'s",
                                 "speed (estimated at the largest batch; measured ratio)", "loss gap to adamw"],
-                       "rlllrrll")]))
+                       "rlllrrll"),
+        gpus_recommendations(cap, speed_rows)]).rstrip())
 
 
 def capacity_finding(sources: Sources) -> str:
@@ -618,7 +673,9 @@ def claims_audit(summary: pd.DataFrame, claims: list[dict]) -> pd.DataFrame:
 def claims_section(audit: pd.DataFrame) -> str:
     if audit.empty:
         return "_No claims to audit._"
-    rows = [[f"{r['method']} vs {r['versus']}", r["metric"], r["claim"], r["ours"], r["verdict"], r["reason"]]
+    rows = [[f"{r['method']} vs {r['versus']}" + (f" ({r['sharding']}, several GPUs)" if isinstance(r["sharding"], str)
+                                                   else ""),
+             r["metric"], r["claim"], r["ours"], r["verdict"], r["reason"]]
             for _, r in audit.iterrows()]
     counts = audit["verdict"].value_counts()
     finding = ("Of " + str(len(audit)) + " published claims, " + ", ".join(

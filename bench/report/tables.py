@@ -612,30 +612,52 @@ def claim_table(summary: pd.DataFrame, claims: list[dict]) -> pd.DataFrame:
     `state_memory_change` (% change of peak bytes, or of param + grad + optimizer bytes
     at the peak, per memory cell), `throughput_ratio`
     (per throughput cell), `final_loss_gap` (final loss minus the other method's, paired by
-    seed, per task and model). `ours` gives the range over cells; `n` counts them.
+    seed, per task and model). `ours` gives the range over cells; `n` counts them. A claim
+    is compared on one GPU's cells, or, where it names a `sharding` (a claim made on
+    several GPUs), on the cells of several GPUs under that scheme only.
     """
-    frame = one_rank_defaults(summary.copy())
-    frame["state_bytes"] = frame[["param_bytes", "grad_bytes", "optimizer_bytes"]].sum(axis=1, min_count=3)
-    # an answer at the ladder's top is only a lower bound: such pairs say nothing of the ratio
-    frame["n_params_inside_ladder"] = frame["n_params"].where(frame["at_ladder_top"] != 1)
+    frame = _claim_frame(summary)
     rows = []
     for c in claims:
         if c["metric"] not in CLAIM_METRICS:
             raise ValueError(f"unknown claim metric {c['metric']!r}; known: {', '.join(CLAIM_METRICS)}")
         kind, value, keys, summarise = CLAIM_METRICS[c["metric"]]
-        pairs = _paired(reported(frame[frame["kind"] == kind]), c["method"], c["versus"], keys, value)
+        pairs = _paired(reported(_claim_scope(frame, c)[lambda f: f["kind"] == kind]), c["method"],
+                        c["versus"], keys, value)
         ours, n = summarise(pairs) if len(pairs) else ("no results", 0)
         setup = _setup_text(pairs, summary, kind) if len(pairs) else ""
         rows.append({**c, "ours": ours, "our_setup": setup, "n": n})
-    return pd.DataFrame(rows, columns=["method", "versus", "metric", "claim", "ours", "setup",
+    return pd.DataFrame(rows, columns=["method", "versus", "sharding", "metric", "claim", "ours", "setup",
                                        "our_setup", "source", "n"])
 
 
 def claim_pairs(summary: pd.DataFrame, claim: dict) -> pd.DataFrame:
     """The cells behind one claim's `ours` in `claim_table`: the claim's method (`m`) and
     the method it is compared with (`v`) side by side on the metric's cell keys."""
+    kind, value, keys, _ = CLAIM_METRICS[claim["metric"]]
+    frame = _claim_scope(_claim_frame(summary), claim)
+    return _paired(reported(frame[frame["kind"] == kind]), claim["method"], claim["versus"], keys, value)
+
+
+def _claim_frame(summary: pd.DataFrame) -> pd.DataFrame:
+    """`summary` with the values claims compare that are not its own columns."""
     frame = one_rank_defaults(summary.copy())
     frame["state_bytes"] = frame[["param_bytes", "grad_bytes", "optimizer_bytes"]].sum(axis=1, min_count=3)
+    # an answer at the ladder's top is only a lower bound: such pairs say nothing of the ratio
     frame["n_params_inside_ladder"] = frame["n_params"].where(frame["at_ladder_top"] != 1)
-    kind, value, keys, _ = CLAIM_METRICS[claim["metric"]]
-    return _paired(reported(frame[frame["kind"] == kind]), claim["method"], claim["versus"], keys, value)
+    return frame
+
+
+CLAIM_SHARDINGS = ("fsdp", "zero1", "zero2", "zero3")
+
+
+def _claim_scope(frame: pd.DataFrame, claim: dict) -> pd.DataFrame:
+    """The rows a claim is compared on: one GPU's, or, where the claim names a `sharding`,
+    those of several GPUs under that scheme."""
+    scheme = claim.get("sharding")
+    if scheme is None:
+        return frame[(frame["world_size"] == 1) & (frame["sharding"] == "none")]
+    if scheme not in CLAIM_SHARDINGS:
+        raise ValueError(f"claim {claim['method']} vs {claim['versus']}: key sharding is {scheme!r}; "
+                         f"one of {', '.join(CLAIM_SHARDINGS)}, or none for one GPU")
+    return frame[(frame["world_size"] > 1) & (frame["sharding"] == scheme)]

@@ -379,13 +379,19 @@ def test_largest_model_gpus_tables_and_report(tmp_path):
     assert set(largest_model_table(summary)[["world_size", "sharding"]].itertuples(index=False)) == {(1, "none")}
     assert "- 24 GiB, llama at batch 8 (seq 512, bfloat16, simulated): adama trains llama-2b" in section
 
-    # a claim compares like with like: one GPU with one GPU, each sharded setting with itself
+    # a claim compares like with like: on one GPU's cells, or, naming a scheme, on that
+    # scheme's cells of several GPUs, each sharded setting with itself
     claim = dict(method="checkpointing", versus="adamw", metric="largest_model_ratio", claim="c", setup="s",
                  source="x")
     ours = claim_table(summary, [claim]).iloc[0]
-    assert ours["n"] == 3 + 4 * 4 - 4                           # pairs where either is at the top are out
-    assert "24 GiB from llama-1b at batch 8 [fsdp x8]: 7.5 B -> 9.75 B" in ours["ours"]
+    assert ours["n"] == 3 and "[" not in ours["ours"]
     assert "24 GiB from llama-60m at batch 8: 1.2 B -> 1.3 B" in ours["ours"]
+    sharded = claim_table(summary, [{**claim, "sharding": "fsdp"}]).iloc[0]
+    assert sharded["n"] == 2 * 4 - 2                           # pairs where either is at the top are out
+    assert "24 GiB from llama-1b at batch 8 [fsdp x8]: 7.5 B -> 9.75 B" in sharded["ours"]
+    assert "zero3" not in sharded["ours"] and "llama-60m" not in sharded["ours"]
+    with pytest.raises(ValueError, match="key sharding is 'fsdp2'"):
+        claim_table(summary, [{**claim, "sharding": "fsdp2"}])
 
 
 def test_article_capacity_on_several_gpus(tmp_path):
@@ -400,10 +406,18 @@ def test_article_capacity_on_several_gpus(tmp_path):
     assert "**On several GPUs.**" in capacity and "up to 7.5 B on 8 GPUs and up to 37.5 B on 64" in capacity
     assert "One GPU, one process" not in text
     assert article.FIGURE_IF["model_capacity_gpus"](sources.role("capacity"))
+    # the recommendations per GPU of several: per size and count, the method and scheme that
+    # train the largest model per GPU, beside AdamW's best scheme on as many GPUs and on one
+    several = text.split("### On several GPUs", 1)[1].split("## The claims", 1)[0]
+    assert ("| 24 | 8 | llama | checkpointing (FSDP2) | llama-9.75b (9.75 B), simulated | 7.5 B (FSDP2) | "
+            "1.2 B; 8.12x |") in several
+    assert "| 80 | 64 | llama | adamw (FSDP2) = adamw (ZeRO-3) = checkpointing (FSDP2) = checkpointing (ZeRO-3) |" \
+        in several
 
     one = pd.read_csv(tmp_path / "gpus.csv")
     one[one["world_size"] == 1].to_csv(tmp_path / "one.csv", index=False)
     sources = article.from_summary(tmp_path / "one.csv")
     text = article.article(sources, [])
     assert "**On several GPUs.**" not in text and "One GPU, one process" in text
+    assert "### On several GPUs" not in text
     assert not article.FIGURE_IF["model_capacity_gpus"](sources.role("capacity"))
