@@ -378,9 +378,12 @@ def groups(jobs: dict[str, Job], suite: str) -> dict[str, list[str]]:
         # a pre-training run and the fine-tuning that waits for its weights never share one
         # (nor a tuned run and the grid it reads its learning rate from)
         # (and data-parallel jobs keep to their own, the others' groups unchanged)
+        sharded = job.world_size > 1 or job.sharding != "none"
         role = (["pretrain"] if job.save_weights else ["finetune"] if job.init else []) + (
-            ["tuned"] if job.tuned_from else []) + (
-            ["sharded"] if job.world_size > 1 or job.sharding != "none" else [])
+            ["tuned"] if job.tuned_from else []) + (["sharded"] if sharded else []) + (
+            # a model search of several GPUs takes minutes to an hour: each its own group,
+            # so that the cores share them
+            [job.method, f"x{job.world_size}", job.sharding] if sharded and job.kind == "model_capacity" else [])
         keyed.setdefault(f"{suite}/" + "-".join([getattr(job, k) for k in key] + role), []).append(path)
     out: dict[str, list[str]] = {}
     for gid, paths in keyed.items():

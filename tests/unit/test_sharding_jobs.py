@@ -47,6 +47,17 @@ def test_the_quick_suite_plans_its_sharded_section_in_a_group_of_its_own():
     assert not set(others) & set(sharded_jobs)
 
 
+def test_each_model_search_of_several_gpus_is_a_group_of_its_own():
+    config = copy.deepcopy(CONFIG)
+    config["suite"] = "gpu-capacity"
+    jobs = checked(config)
+    groups = plan.groups(jobs, "gpu-capacity")
+    searches = [p for p, j in jobs.items() if j.kind == "model_capacity" and j.world_size > 1]
+    assert len(searches) == 8
+    assert sorted([paths for gid, paths in groups.items() if "sharded" in gid]) == sorted([p] for p in searches)
+    assert "gpu-capacity/model_capacity-llama-1b-sharded-checkpointing-x64-zero3" in groups
+
+
 def test_a_memory_section_takes_world_size_and_sharding():
     config = mutate(lambda c: c["suites"]["quick"]["memory"].update(
         methods=["adamw"], world_size=64, sharding="fsdp", simulate=True))
