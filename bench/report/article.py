@@ -417,15 +417,17 @@ def recommend_gpus(frame: pd.DataFrame) -> pd.DataFrame:
         for n, h in g[g["world_size"] > 1].groupby("world_size", sort=True):
             best = h["n_params"].max()
             top = h[h["n_params"] == best]
-            base = h[h["method"] == BASELINE].sort_values("n_params")
+            base = h[h["method"] == BASELINE]
+            base = base[base["n_params"] == base["n_params"].max()]  # its best scheme(s)
             rows.append({"capacity_gb": gb, "world_size": n, "family": fam, "batch_size": batch,
                          "labels": [f"{m} ({scheme_name(s, n)})" for m, s in zip(top["method"], top["sharding"])],
                          "model": top["largest_model"].iloc[0], "n_params": best,
                          "at_top": bool((top["at_ladder_top"] == 1).any()),
                          "tiers": sorted(set(top["memory_tier"].dropna())),
-                         "base_label": (f"{parameters_text(base['n_params'].iloc[-1])} "
-                                        f"({scheme_name(base['sharding'].iloc[-1], n)})") if len(base) else None,
-                         "base_params": base["n_params"].iloc[-1] if len(base) else np.nan,
+                         "base_label": (f"{parameters_text(base['n_params'].iloc[0])} ("
+                                        + ", ".join(scheme_name(x, n) for x in base["sharding"]) + ")")
+                         if len(base) else None,
+                         "base_params": base["n_params"].iloc[0] if len(base) else np.nan,
                          "one_gpu_params": one.iloc[0] if len(one) else np.nan})
     return pd.DataFrame(rows, columns=cols)
 
@@ -446,13 +448,20 @@ def gpus_recommendations(cap: pd.DataFrame, speed_rows: pd.DataFrame) -> str:
                      (f"{parameters_text(one)}; {r['n_params'] / one:.2f}x" if pd.notna(one) and one else "–"),
                      speed_cost(speed_rows, order[0], r["family"])])
     batch = ", ".join(str(int(b)) for b in sorted(best["batch_size"].unique()))
+    pick = best[best["capacity_gb"] == 24] if (best["capacity_gb"] == 24).any() else best
+    r = pick.sort_values("world_size").iloc[0]
+    finding = (f"**Finding.** On {int(r['world_size'])} GPUs of {r['capacity_gb']:g} GiB each ({r['family']}, batch "
+               f"{int(r['batch_size'])} per GPU), {rows[best.index.get_loc(r.name)][3].split(' = ')[0]} trains "
+               f"{'at least ' if r['at_top'] else 'up to '}a {parameters_text(r['n_params'])} model"
+               + (f", {r['n_params'] / r['base_params']:.1f}x {BASELINE}'s {r['base_label']}"
+                  if pd.notna(r["base_params"]) and r["base_params"] else "") + ".")
     return "\n\n".join([
-        f"### On several GPUs: the largest model per GPU (batch {batch} per GPU)",
-        "Each GPU of N trains its own batch; the answer is per GPU (under FSDP2 rank 0's memory, "
+        f"### On several GPUs: the largest model (batch {batch} per GPU)", finding,
+        "Each GPU of N trains its own batch, within the memory size per GPU (under FSDP2 rank 0's memory, "
         "simulated; under ZeRO the largest rank's, modelled). Memory only: the collectives' time is "
         "not in these searches (`membench fit --gpus N` estimates it per step). Only the methods "
         "searched on several GPUs enter; which methods can shard at all: docs/sharding.md.",
-        markdown_table(rows, ["GiB per GPU", "GPUs", "family", "method (scheme)", "largest model per GPU",
+        markdown_table(rows, ["GiB per GPU", "GPUs", "family", "method (scheme)", "largest model",
                               f"{BASELINE} on as many", f"{BASELINE} on one GPU; ratio", "speed vs adamw"],
                        "rrllllll")])
 
