@@ -322,18 +322,26 @@ def recommend_model(frame: pd.DataFrame) -> pd.DataFrame:
     t = _largest_models(frame)
     rows = []
     if t.empty:
-        return pd.DataFrame(columns=["capacity_gb", "family", "batch_size", "methods", "model", "n_params",
-                                     "at_top", "base_model", "base_params"])
-    for (gb, fam, batch), g in t.groupby(["capacity_gb", "family", "batch_size"], sort=True):
+        return pd.DataFrame(columns=["capacity_gb", "family", "precision", "batch_size", "methods", "model",
+                                     "n_params", "at_top", "base_model", "base_params"])
+    for (gb, fam, precision, batch), g in t.groupby(["capacity_gb", "family", "precision", "batch_size"], sort=True):
         best = g["n_params"].max()
         top = g[g["n_params"] == best]
         base = g[g["method"] == BASELINE]
-        rows.append({"capacity_gb": gb, "family": fam, "batch_size": batch,
+        rows.append({"capacity_gb": gb, "family": fam, "precision": precision, "batch_size": batch,
                      "methods": sorted(top["method"]), "model": top["largest_model"].iloc[0],
                      "n_params": best, "at_top": bool((top["at_ladder_top"] == 1).any()),
                      "base_model": base["largest_model"].iloc[0] if len(base) else None,
                      "base_params": base["n_params"].iloc[0] if len(base) else np.nan})
     return pd.DataFrame(rows)
+
+
+def family_text(row) -> str:
+    """A row's family as the capacity tables name it: with its precision where it is not pure
+    ('llama, mixed precision': float32 master copy and optimizer state, autocast)."""
+    precision = row.get("precision", "pure")
+    pure = precision is None or pd.isna(precision) or precision == "pure"
+    return row["family"] if pure else f"{row['family']}, {precision} precision"
 
 
 def recommend_batch(frame: pd.DataFrame) -> pd.DataFrame:
@@ -489,7 +497,7 @@ def recommendations(sources: Sources) -> str:
                         f"{r['base_model']} ({parameters_text(r['base_params'])})")
                 ratio = (f"{r['n_params'] / r['base_params']:.2f}x" if r["base_params"] and pd.notna(r["base_params"])
                          else "–")
-                m_rows.append([f"{gb:g}", fam, " = ".join(methods), size, f"{base}; {ratio}",
+                m_rows.append([f"{gb:g}", family_text(r), " = ".join(methods), size, f"{base}; {ratio}",
                                speed_cost(speed_rows, method, fam), loss_cost(gaps, method)])
             b = batches[(batches["capacity_gb"] == gb) & (batches["family"] == fam)]
             if b.empty:
@@ -536,12 +544,12 @@ def capacity_finding(sources: Sources) -> str:
     out = []
     for _, r in models[models["capacity_gb"] == gb].iterrows():
         if not r["n_params"]:
-            out.append(f"no method trains the first {r['family']} size")
+            out.append(f"no method trains the first {family_text(r)} size")
             continue
         vs = (f", {r['n_params'] / r['base_params']:.1f}x {BASELINE}'s {parameters_text(r['base_params'])}"
               if r["base_params"] and pd.notna(r["base_params"]) else f"; {BASELINE} trains none")
         top = " (the ladder's top, so at least that)" if r["at_top"] else ""
-        out.append(f"{r['family']} up to {parameters_text(r['n_params'])}{top} with {_methods(r['methods'])}{vs}")
+        out.append(f"{family_text(r)} up to {parameters_text(r['n_params'])}{top} with {_methods(r['methods'])}{vs}")
     return (f"In {gb:g} GiB at batch {int(models['batch_size'].iloc[0])}, the largest models that train "
             f"are: {'; '.join(out)} (simulated).")
 
@@ -552,7 +560,8 @@ def capacity_section(sources: Sources) -> str:
         return f"_Capacity: {NOT_MEASURED}._"
     sizes = sorted(models["capacity_gb"].unique())
     rows = []
-    for fam, g in models.groupby("family", sort=True):
+    for _, g in models.groupby(["family", "precision"], sort=True):
+        fam = family_text(g.iloc[0])
         g = g.set_index("capacity_gb")
         rows.append([fam, "best"] + [f"{parameters_text(g.loc[s, 'n_params'])} ({_methods(g.loc[s, 'methods'])})"
                                      if s in g.index else "–" for s in sizes])

@@ -791,7 +791,7 @@ def figure_model_capacity(summary: pd.DataFrame) -> plt.Figure:
         return no_data_figure(title, "no model_capacity job finished ok")
     methods = method_order(table["method"])
     colors = method_colors(methods)
-    cells = (table[["family", "seq_len", "dtype", "memory_tier", "batch_size"]]
+    cells = (table[["family", "seq_len", "dtype", "precision", "memory_tier", "batch_size"]]
              .drop_duplicates().sort_values(["family", "batch_size"]).to_dict("records"))
     fig, axes = _grid(len(cells), 3, 5.0, 4.0)
     for ax, cell in zip(axes, cells):
@@ -808,7 +808,7 @@ def figure_model_capacity(summary: pd.DataFrame) -> plt.Figure:
         ax.set_ylabel("largest model that trains (parameters)")
         ax.set_title(f"{cell['family']} from {part['model'].iloc[0]} · batch "
                      f"{_fmt_num(cell['batch_size'])} · seq {_fmt_num(cell['seq_len'])} · "
-                     f"{cell['dtype']}", fontsize=10)
+                     f"{cell['dtype']}{'' if cell['precision'] == 'pure' else ' ' + cell['precision']}", fontsize=10)
     _finish_capacity(fig, title, table,
                      "Each point is a search's answer along the family's ladder of sizes (its "
                      "published sizes, and sizes between them with width and depth grown "

@@ -242,7 +242,8 @@ def largest_model_gpus_section(summary: pd.DataFrame) -> str | None:
     if table.empty:
         return None
     sizes = [c for c in table.columns if c.endswith(" GiB")]
-    rows = [[r["family"], integer(r["batch_size"]), integer(r["seq_len"]), r["dtype"], r["method"], r["scheme"],
+    rows = [[r["family"], integer(r["batch_size"]), integer(r["seq_len"]),
+             r["dtype"] if r["precision"] == "pure" else f"{r['dtype']} {r['precision']}", r["method"], r["scheme"],
              integer(r["world_size"]), r["memory_tier"], r["model"]] + [r[c] for c in sizes]
             for _, r in table.iterrows()]
     return ("### Largest model on several GPUs\n\nThe same search per GPU of N data-parallel GPUs, each "
@@ -264,7 +265,8 @@ def largest_model_section(summary: pd.DataFrame) -> str | None:
     cell = [c for c in MODEL_CAPACITY_CELL if c != "capacity_gb"]
     sizes = sorted(table["capacity_gb"].unique())
     for key, g in table.groupby(cell, dropna=False, sort=True):
-        family, seq, dtype, tier, batch = key
+        family, seq, dtype, precision, tier, batch = key
+        dtype = dtype if precision == "pure" else f"{dtype} {precision}"
         for gb, h in g.groupby("capacity_gb", sort=True):
             lines.append(f"- {gb:g} GiB, {family} at batch {integer(batch)} (seq {integer(seq)}, "
                          f"{dtype}, {tier}): {_largest_model_headline(h)}")

@@ -24,9 +24,9 @@ THROUGHPUT_CELL = ["model", "batch_size", "seq_len", "device"]
 # (aggregate.tuning_role; a tuning grid's own runs are not reported: `reported`)
 CONVERGENCE_CELL = ["task", "model", "phase", "tuning"]
 
-TEXT_COLUMNS = ["kind", "method", "model", "largest_model", "family", "dtype", "sharding", "device", "device_name",
-                "cpu_id", "memory_tier", "phase", "tuning", "init", "task", "status", "message", "commit",
-                "torch_version", "date"]
+TEXT_COLUMNS = ["kind", "method", "model", "largest_model", "family", "dtype", "precision", "sharding", "device",
+                "device_name", "cpu_id", "memory_tier", "phase", "tuning", "init", "task", "status", "message",
+                "commit", "torch_version", "date"]
 
 
 # ----------------------------------------------------------------------------- data
@@ -40,16 +40,22 @@ def _tidy(frame: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
         elif col != "hparams" and col != "result_file":
             frame[col] = pd.to_numeric(frame[col], errors="coerce")
     # results from before fine-tuning and tuning: from scratch, at a fixed learning rate
-    missing = {"status": "unknown", "phase": "scratch", "tuning": "fixed"}
-    for col in ("kind", "method", "model", "task", "device", "status", "phase", "tuning"):
+    # (and from before the precision field: pure)
+    missing = {"status": "unknown", "phase": "scratch", "tuning": "fixed", "precision": "pure"}
+    for col in ("kind", "method", "model", "task", "device", "status", "phase", "tuning", "precision"):
         if col in frame:
             frame[col] = frame[col].fillna(missing.get(col, "?")).astype(str)
     return one_rank_defaults(frame)
 
 
 def one_rank_defaults(frame: pd.DataFrame) -> pd.DataFrame:
-    """`frame` with `world_size` and `sharding` filled where missing (rows from before data
-    parallelism: one rank, no sharding), so that they key cells."""
+    """`frame` with `world_size`, `sharding` and `precision` filled where missing (rows from
+    before data parallelism: one rank, no sharding; before the precision field: pure), so
+    that they key cells."""
+    if "precision" not in frame or frame["precision"].isna().any():
+        frame = frame.copy()
+        frame["precision"] = (frame["precision"] if "precision" in frame else pd.Series("pure", index=frame.index)
+                              ).astype("object").where(lambda c: c.notna(), "pure").astype(str)
     if "world_size" in frame and "sharding" in frame and frame["world_size"].notna().all() \
             and frame["sharding"].notna().all():
         return frame
@@ -335,7 +341,7 @@ def overview_table(summary: pd.DataFrame) -> pd.DataFrame:
                                        "thr_hi", "note"])
 
 
-MODEL_CAPACITY_CELL = ["family", "seq_len", "dtype", "memory_tier", "batch_size", "capacity_gb"]
+MODEL_CAPACITY_CELL = ["family", "seq_len", "dtype", "precision", "memory_tier", "batch_size", "capacity_gb"]
 
 
 def capacity_table(summary: pd.DataFrame) -> pd.DataFrame:
@@ -378,7 +384,7 @@ def largest_model_table(summary: pd.DataFrame) -> pd.DataFrame:
 
 # a cell of the search per GPU of several: the family's ladder at one batch per GPU (the
 # ladders may start at different sizes, and the tiers differ by scheme)
-GPUS_CELL = ["family", "batch_size", "seq_len", "dtype"]
+GPUS_CELL = ["family", "batch_size", "seq_len", "dtype", "precision"]
 SCHEMES = {"none": "one GPU", "fsdp": "FSDP2", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 
 
@@ -489,7 +495,8 @@ def largest_model_gpus_finding(summary: pd.DataFrame, gb: float = 24) -> str | N
         g = g[g["capacity_gb"] == size]
         method = BASELINE if BASELINE in set(g["method"]) else method_order(g["method"])[0]
         g = g[g["method"] == method]
-        family, batch, seq, dtype = cell
+        family, batch, seq, dtype, precision = cell
+        dtype = dtype if precision == "pure" else f"{dtype} {precision}"
         one = g[(g["world_size"] == 1) & (g["sharding"] == "none")]
         parts = [f"{method} trains {_up_to(one.iloc[0])} on one GPU ({one['memory_tier'].iloc[0]})"
                  if len(one) else f"{method} on one GPU: not searched"]
@@ -583,7 +590,7 @@ def _capacity_ratio(nothing: str, example):
 # metric -> (kind of job, value compared, cell the two methods share, summary of the pairs)
 CLAIM_METRICS = {
     # one GPU and each data-parallel setting apart (a sharded search's answer is per GPU of N)
-    "largest_model_ratio": ("model_capacity", "n_params_inside_ladder", ["model", "seq_len", "dtype",
+    "largest_model_ratio": ("model_capacity", "n_params_inside_ladder", ["model", "seq_len", "dtype", "precision",
                                                            "memory_tier", "batch_size", "capacity_gb",
                                                            "world_size", "sharding"],
                             _capacity_ratio("the baseline trains no size of the ladder", lambda r: (
@@ -591,7 +598,7 @@ CLAIM_METRICS = {
                                 + ("" if r.world_size == 1 and r.sharding == "none" else
                                    f" [{'ddp' if r.sharding == 'none' else r.sharding} x{int(r.world_size)}]")
                                 + f": {parameters_text(r.v)} -> {parameters_text(r.m)}"))),
-    "largest_batch_ratio": ("capacity", "largest_batch", ["model", "seq_len", "dtype",
+    "largest_batch_ratio": ("capacity", "largest_batch", ["model", "seq_len", "dtype", "precision",
                                                            "memory_tier", "capacity_gb"],
                             _capacity_ratio("the baseline fits no batch", lambda r: (
                                 f"{r.capacity_gb:g} GiB {r.model}: {int(r.v)} -> {int(r.m)}"))),

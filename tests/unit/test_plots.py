@@ -235,6 +235,38 @@ def test_largest_model_table_report_figure_and_claim(tmp_path):
                                                "100 M -> 200 M)")
 
 
+def test_precision_keeps_its_own_cells(tmp_path):
+    """Searches of one family under mixed and pure precision are two cells: each method is
+    compared with AdamW of its own precision, in the tables, the figure and the article."""
+    from bench.report import article
+    from bench.report.tables import largest_model_table, read_summary
+
+    def row(method, gb, n, precision):
+        return dict(kind="model_capacity", method=method, model="toy-tiny", family="toy", batch_size=8, seq_len=16,
+                    dtype="bfloat16", precision=precision, memory_tier="simulated", capacity_gb=gb,
+                    largest_model=f"toy-{n:g}", n_params=n, at_ladder_top=False, status="ok")
+
+    rows = [row("adamw", 24, 4e8, "pure"), row("lomo", 24, 8e8, "pure"),
+            row("adamw", 24, 2e8, "mixed"), row("lomo", 24, 5e8, "mixed")]
+    path = tmp_path / "summary.csv"
+    frame = pd.DataFrame(rows).reindex(columns=SUMMARY_COLUMNS)
+    frame.to_csv(path, index=False)
+    summary = read_summary(path)
+    table = largest_model_table(summary).set_index(["method", "precision"])
+    assert table.loc[("lomo", "mixed"), "pct_vs_baseline"] == pytest.approx(150.0)  # against adamw mixed
+    assert table.loc[("lomo", "pure"), "pct_vs_baseline"] == pytest.approx(100.0)
+    fig = plots.figure_model_capacity(summary)
+    assert sorted(ax.get_title() for ax in fig.axes if ax.get_visible() and ax.lines) == [
+        "toy from toy-tiny · batch 8 · seq 16 · bfloat16", "toy from toy-tiny · batch 8 · seq 16 · bfloat16 mixed"]
+    plots.plt.close(fig)
+    text = article.article(article.from_summary(path), [])
+    assert "| 24 | toy, mixed precision | lomo | toy-5e+08 (500 M) | toy-2e+08 (200 M); 2.50x |" in text
+    assert "| 24 | toy | lomo | toy-8e+08 (800 M) | toy-4e+08 (400 M); 2.00x |" in text
+    # results from before the field are pure
+    frame.assign(precision=None).iloc[:2].to_csv(path, index=False)
+    assert set(read_summary(path)["precision"]) == {"pure"}
+
+
 @pytest.mark.parametrize("n", [5, 12, 33])
 def test_no_two_methods_share_colour_and_line_style(n):
     """The convergence figure tells its curves apart by colour and line style; beyond the
@@ -358,12 +390,12 @@ def test_largest_model_gpus_tables_and_report(tmp_path):
 
     text = largest_model_gpus_text(summary)
     assert list(text.columns[-4:]) == ["16 GiB", "24 GiB", "40 GiB", "80 GiB"]
-    rows = {(r.method, r.scheme, r.world_size): r for r in text.itertuples()}
+    rows = {(r["method"], r["scheme"], r["world_size"]): r for _, r in text.iterrows()}
     assert len(rows) == 10
     r = rows[("adamw", "one GPU", 1)]
-    assert [r._10, r._11, r._12, r._13] == ["none", "1.2 B", "2 B", "4 B"]
+    assert [r["16 GiB"], r["24 GiB"], r["40 GiB"], r["80 GiB"]] == ["none", "1.2 B", "2 B", "4 B"]
     r = rows[("checkpointing", "ZeRO-3", 64)]
-    assert r.memory_tier == "modelled" and r._13 == ">= 65 B"
+    assert r["memory_tier"] == "modelled" and r["80 GiB"] == ">= 65 B"
     assert text["scheme"].tolist()[:5] == ["one GPU", "FSDP2", "FSDP2", "ZeRO-3", "ZeRO-3"]
 
     finding = largest_model_gpus_finding(summary)
