@@ -333,7 +333,9 @@ def recommend_model(frame: pd.DataFrame) -> pd.DataFrame:
                      "n_params": best, "at_top": bool((top["at_ladder_top"] == 1).any()),
                      "base_model": base["largest_model"].iloc[0] if len(base) else None,
                      "base_params": base["n_params"].iloc[0] if len(base) else np.nan})
-    return pd.DataFrame(rows)
+    out = pd.DataFrame(rows)  # pure precision first, then the others (mixed)
+    return out.assign(_mixed=out["precision"] != "pure").sort_values(
+        ["capacity_gb", "family", "_mixed", "precision", "batch_size"], kind="stable").drop(columns="_mixed")
 
 
 def family_text(row) -> str:
@@ -523,7 +525,10 @@ def recommendations(sources: Sources) -> str:
         "this size); for the batch, tokens/s at each one's largest batch on an H100, estimated "
         "from the step's operators (calibrated as the trust section says). Loss: the final-loss "
         "gap to AdamW at each one's tuned learning rate, measured on tiny models only, or "
-        "'not measured at this scale'.",
+        "'not measured at this scale'. Precision: pure (parameters, gradients and optimizer state in "
+        "the searches' dtype) unless the family says 'mixed precision' (a float32 master copy, "
+        "gradients and optimizer state, the compute under autocast), where AdamW is searched under "
+        "mixed precision too.",
         f"### The largest model that trains (batch {batch_size})",
         markdown_table(m_rows, ["GiB", "family", "method", "largest model", f"{BASELINE}'s; ratio",
                                 "speed vs adamw", "loss gap to adamw"], "rllllll"),
@@ -560,7 +565,8 @@ def capacity_section(sources: Sources) -> str:
         return f"_Capacity: {NOT_MEASURED}._"
     sizes = sorted(models["capacity_gb"].unique())
     rows = []
-    for _, g in models.groupby(["family", "precision"], sort=True):
+    for _, g in models.assign(_mixed=models["precision"] != "pure").groupby(["family", "_mixed", "precision"],
+                                                                               sort=True):
         fam = family_text(g.iloc[0])
         g = g.set_index("capacity_gb")
         rows.append([fam, "best"] + [f"{parameters_text(g.loc[s, 'n_params'])} ({_methods(g.loc[s, 'methods'])})"
