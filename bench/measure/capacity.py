@@ -373,7 +373,6 @@ class Oracle:
         # steps run once a third lies on it (`trace_line`), between the batches run on it:
         # None while there is none, False if a later step was off a confirmed line
         self.line: trace_line.Line | bool | None = None if self.simulated and not cost else False
-        self._last: tuple | None = None  # the last step run: (batch, trace)
         # the line printed per run starts with this
         self.log_prefix = log_prefix or f"[capacity {job.method} {job.model}]"
         self._started = time.perf_counter()
@@ -449,7 +448,9 @@ class Oracle:
         for this search, and what was computed from it is run again as it is asked for."""
         if self.line is False or record["status"] != "ok":
             return
-        last, self._last = self._last, (batch, trace)
+        # the step run before this one that ran ok (records keep the order they were made in)
+        last = next(((b, self.traces[b]) for b, r in reversed(self.records.items())
+                     if not r.get("line") and r["status"] == "ok"), None)
         if self.line is not None and self.line.holds(batch, trace):
             return
         if self.line is not None and self.line.confirmed:

@@ -333,9 +333,9 @@ def recommend_model(frame: pd.DataFrame) -> pd.DataFrame:
                      "n_params": best, "at_top": bool((top["at_ladder_top"] == 1).any()),
                      "base_model": base["largest_model"].iloc[0] if len(base) else None,
                      "base_params": base["n_params"].iloc[0] if len(base) else np.nan})
-    out = pd.DataFrame(rows)  # pure precision first, then the others (mixed)
+    out = pd.DataFrame(rows)  # by family, pure precision first, then the others (mixed)
     return out.assign(_mixed=out["precision"] != "pure").sort_values(
-        ["capacity_gb", "family", "_mixed", "precision", "batch_size"], kind="stable").drop(columns="_mixed")
+        ["family", "_mixed", "precision", "capacity_gb", "batch_size"], kind="stable").drop(columns="_mixed")
 
 
 def family_text(row) -> str:
@@ -414,23 +414,24 @@ def _estimated(frame: pd.DataFrame, method: str, model: str, gb: float) -> float
 
 
 def recommend_gpus(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per (memory size per GPU, GPU count above 1, family and batch): the method(s) and
-    scheme(s) that train the largest model per GPU, AdamW's largest on as many GPUs (its best
-    scheme) and on one. Empty without searches of several GPUs."""
-    cols = ["capacity_gb", "world_size", "family", "batch_size", "labels", "model", "n_params", "at_top",
+    """Per (memory size per GPU, GPU count above 1, family, precision and batch): the
+    (method, scheme) pairs that train the largest model per GPU, AdamW's largest on as many
+    GPUs (its best scheme) and on one. Empty without searches of several GPUs."""
+    cols = ["capacity_gb", "world_size", "family", "precision", "batch_size", "top", "model", "n_params", "at_top",
             "tiers", "base_label", "base_params", "one_gpu_params"]
     t = largest_model_gpus_table(frame)
     t = t[t["status"] == "ok"] if len(t) else t
     rows = []
-    for (gb, fam, batch), g in (t.groupby(["capacity_gb", "family", "batch_size"], sort=True) if len(t) else []):
+    groups = t.groupby(["capacity_gb", "family", "precision", "batch_size"], sort=True) if len(t) else []
+    for (gb, fam, precision, batch), g in groups:
         one = g[(g["world_size"] == 1) & (g["method"] == BASELINE)]["n_params"]
         for n, h in g[g["world_size"] > 1].groupby("world_size", sort=True):
             best = h["n_params"].max()
             top = h[h["n_params"] == best]
             base = h[h["method"] == BASELINE]
             base = base[base["n_params"] == base["n_params"].max()]  # its best scheme(s)
-            rows.append({"capacity_gb": gb, "world_size": n, "family": fam, "batch_size": batch,
-                         "labels": [f"{m} ({scheme_name(s, n)})" for m, s in zip(top["method"], top["sharding"])],
+            rows.append({"capacity_gb": gb, "world_size": n, "family": fam, "precision": precision,
+                         "batch_size": batch, "top": list(zip(top["method"], top["sharding"])),
                          "model": top["largest_model"].iloc[0], "n_params": best,
                          "at_top": bool((top["at_ladder_top"] == 1).any()),
                          "tiers": sorted(set(top["memory_tier"].dropna())),
@@ -447,21 +448,23 @@ def gpus_recommendations(cap: pd.DataFrame, speed_rows: pd.DataFrame) -> str:
     best = recommend_gpus(cap)
     if best.empty:
         return ""
-    rows = []
-    for _, r in best.iterrows():
+    rows, first = [], {}  # first: per row of `best`, the (method, scheme) recommended
+    for i, r in best.iterrows():
         size = (">= " if r["at_top"] else "") + f"{r['model']} ({parameters_text(r['n_params'])})"
         one = r["one_gpu_params"]
-        order = by_speed(speed_rows, list(dict.fromkeys(label.split(" (")[0] for label in r["labels"])), r["family"])
-        labels = sorted(r["labels"], key=lambda label: order.index(label.split(" (")[0]))  # the fastest first
-        rows.append([f"{r['capacity_gb']:g}", str(int(r["world_size"])), r["family"], " = ".join(labels),
+        order = by_speed(speed_rows, list(dict.fromkeys(m for m, _ in r["top"])), r["family"])
+        top = sorted(r["top"], key=lambda pair: order.index(pair[0]))  # the fastest first
+        labels = [f"{m} ({scheme_name(scheme, r['world_size'])})" for m, scheme in top]
+        first[i] = labels[0]
+        rows.append([f"{r['capacity_gb']:g}", str(int(r["world_size"])), family_text(r), " = ".join(labels),
                      size + f", {', '.join(r['tiers'])}", r["base_label"] or NOT_MEASURED,
                      (f"{parameters_text(one)}; {r['n_params'] / one:.2f}x" if pd.notna(one) and one else "–"),
                      speed_cost(speed_rows, order[0], r["family"])])
     batch = ", ".join(str(int(b)) for b in sorted(best["batch_size"].unique()))
     pick = best[best["capacity_gb"] == 24] if (best["capacity_gb"] == 24).any() else best
     r = pick.sort_values("world_size").iloc[0]
-    finding = (f"**Finding.** On {int(r['world_size'])} GPUs of {r['capacity_gb']:g} GiB each ({r['family']}, batch "
-               f"{int(r['batch_size'])} per GPU), {rows[best.index.get_loc(r.name)][3].split(' = ')[0]} trains "
+    finding = (f"**Finding.** On {int(r['world_size'])} GPUs of {r['capacity_gb']:g} GiB each ({family_text(r)}, "
+               f"batch {int(r['batch_size'])} per GPU), {first[r.name]} trains "
                f"{'at least ' if r['at_top'] else 'up to '}a {parameters_text(r['n_params'])} model"
                + (f", {r['n_params'] / r['base_params']:.1f}x {BASELINE}'s {r['base_label']}"
                   if pd.notna(r["base_params"]) and r["base_params"] else "") + ".")
@@ -565,8 +568,7 @@ def capacity_section(sources: Sources) -> str:
         return f"_Capacity: {NOT_MEASURED}._"
     sizes = sorted(models["capacity_gb"].unique())
     rows = []
-    for _, g in models.assign(_mixed=models["precision"] != "pure").groupby(["family", "_mixed", "precision"],
-                                                                               sort=True):
+    for _, g in models.groupby(["family", "precision"], sort=False):  # in recommend_model's order
         fam = family_text(g.iloc[0])
         g = g.set_index("capacity_gb")
         rows.append([fam, "best"] + [f"{parameters_text(g.loc[s, 'n_params'])} ({_methods(g.loc[s, 'methods'])})"

@@ -34,7 +34,7 @@ from bench.report import fig_throughput_capacity  # noqa: E402
 from bench.report.tables import (BASELINE, CATEGORIES,  # noqa: E402
                           CONVERGENCE_CELL, GPUS_CELL, SCHEMES, THROUGHPUT_CELL, capacity_table, method_label,
                           convergence_table, largest_model_gpus_table, largest_model_table, memory_table,
-                          method_order, scheme_name,
+                          dtype_text, method_order, scheme_name,
                           model_order, overview_table, parameters_text, read_curves, read_summary,
                           PHASES, reported, status_text, task_label, throughput_table, tuning_table)
 from bench.report.style import (FAIL_COLOR, LINESTYLES, MARKERS, finish,  # noqa: E402
@@ -808,7 +808,7 @@ def figure_model_capacity(summary: pd.DataFrame) -> plt.Figure:
         ax.set_ylabel("largest model that trains (parameters)")
         ax.set_title(f"{cell['family']} from {part['model'].iloc[0]} · batch "
                      f"{_fmt_num(cell['batch_size'])} · seq {_fmt_num(cell['seq_len'])} · "
-                     f"{cell['dtype']}{'' if cell['precision'] == 'pure' else ' ' + cell['precision']}", fontsize=10)
+                     f"{dtype_text(cell['dtype'], cell['precision'])}", fontsize=10)
     _finish_capacity(fig, title, table,
                      "Each point is a search's answer along the family's ladder of sizes (its "
                      "published sizes, and sizes between them with width and depth grown "

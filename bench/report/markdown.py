@@ -19,7 +19,7 @@ import yaml
 
 from bench.report.figures import FIGURES
 from bench.measure.records import write_text_atomic
-from bench.report.tables import (BASELINE, CATEGORIES, MODEL_CAPACITY_CELL, capacity_table, claim_table,
+from bench.report.tables import (BASELINE, CATEGORIES, MODEL_CAPACITY_CELL, capacity_table, claim_table, dtype_text,
                           convergence_table, largest_model_gpus_finding, largest_model_gpus_text,
                           largest_model_table, memory_table, method_order, tuning_table,
                           model_order, parameters_text, read_summary, simulation_accuracy_table,
@@ -243,7 +243,7 @@ def largest_model_gpus_section(summary: pd.DataFrame) -> str | None:
         return None
     sizes = [c for c in table.columns if c.endswith(" GiB")]
     rows = [[r["family"], integer(r["batch_size"]), integer(r["seq_len"]),
-             r["dtype"] if r["precision"] == "pure" else f"{r['dtype']} {r['precision']}", r["method"], r["scheme"],
+             dtype_text(r["dtype"], r["precision"]), r["method"], r["scheme"],
              integer(r["world_size"]), r["memory_tier"], r["model"]] + [r[c] for c in sizes]
             for _, r in table.iterrows()]
     return ("### Largest model on several GPUs\n\nThe same search per GPU of N data-parallel GPUs, each "
@@ -266,7 +266,7 @@ def largest_model_section(summary: pd.DataFrame) -> str | None:
     sizes = sorted(table["capacity_gb"].unique())
     for key, g in table.groupby(cell, dropna=False, sort=True):
         family, seq, dtype, precision, tier, batch = key
-        dtype = dtype if precision == "pure" else f"{dtype} {precision}"
+        dtype = dtype_text(dtype, precision)
         for gb, h in g.groupby("capacity_gb", sort=True):
             lines.append(f"- {gb:g} GiB, {family} at batch {integer(batch)} (seq {integer(seq)}, "
                          f"{dtype}, {tier}): {_largest_model_headline(h)}")

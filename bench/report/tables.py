@@ -40,9 +40,8 @@ def _tidy(frame: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
         elif col != "hparams" and col != "result_file":
             frame[col] = pd.to_numeric(frame[col], errors="coerce")
     # results from before fine-tuning and tuning: from scratch, at a fixed learning rate
-    # (and from before the precision field: pure)
-    missing = {"status": "unknown", "phase": "scratch", "tuning": "fixed", "precision": "pure"}
-    for col in ("kind", "method", "model", "task", "device", "status", "phase", "tuning", "precision"):
+    missing = {"status": "unknown", "phase": "scratch", "tuning": "fixed"}
+    for col in ("kind", "method", "model", "task", "device", "status", "phase", "tuning"):
         if col in frame:
             frame[col] = frame[col].fillna(missing.get(col, "?")).astype(str)
     return one_rank_defaults(frame)
@@ -52,19 +51,21 @@ def one_rank_defaults(frame: pd.DataFrame) -> pd.DataFrame:
     """`frame` with `world_size`, `sharding` and `precision` filled where missing (rows from
     before data parallelism: one rank, no sharding; before the precision field: pure), so
     that they key cells."""
-    if "precision" not in frame or frame["precision"].isna().any():
-        frame = frame.copy()
-        frame["precision"] = (frame["precision"] if "precision" in frame else pd.Series("pure", index=frame.index)
-                              ).astype("object").where(lambda c: c.notna(), "pure").astype(str)
-    if "world_size" in frame and "sharding" in frame and frame["world_size"].notna().all() \
-            and frame["sharding"].notna().all():
+    if all(col in frame and frame[col].notna().all() for col in ("world_size", "sharding", "precision")):
         return frame
     frame = frame.copy()
     frame["world_size"] = (frame["world_size"] if "world_size" in frame else pd.Series(1, index=frame.index)
                            ).fillna(1).astype(int)
-    frame["sharding"] = (frame["sharding"] if "sharding" in frame else pd.Series("none", index=frame.index)
-                         ).astype("object").where(lambda c: c.notna(), "none").astype(str)
+    for col, default in (("sharding", "none"), ("precision", "pure")):
+        frame[col] = (frame[col] if col in frame else pd.Series(default, index=frame.index)
+                      ).astype("object").where(lambda c: c.notna(), default).astype(str)
     return frame
+
+
+def dtype_text(dtype: str, precision: str) -> str:
+    """A cell's dtype as tables and titles name it, with its precision where not pure
+    ('bfloat16', 'bfloat16 mixed')."""
+    return dtype if precision == "pure" else f"{dtype} {precision}"
 
 
 def method_label(method: str, world_size=1, sharding="none") -> str:
@@ -496,7 +497,7 @@ def largest_model_gpus_finding(summary: pd.DataFrame, gb: float = 24) -> str | N
         method = BASELINE if BASELINE in set(g["method"]) else method_order(g["method"])[0]
         g = g[g["method"] == method]
         family, batch, seq, dtype, precision = cell
-        dtype = dtype if precision == "pure" else f"{dtype} {precision}"
+        dtype = dtype_text(dtype, precision)
         one = g[(g["world_size"] == 1) & (g["sharding"] == "none")]
         parts = [f"{method} trains {_up_to(one.iloc[0])} on one GPU ({one['memory_tier'].iloc[0]})"
                  if len(one) else f"{method} on one GPU: not searched"]
@@ -628,9 +629,8 @@ def claim_table(summary: pd.DataFrame, claims: list[dict]) -> pd.DataFrame:
     for c in claims:
         if c["metric"] not in CLAIM_METRICS:
             raise ValueError(f"unknown claim metric {c['metric']!r}; known: {', '.join(CLAIM_METRICS)}")
-        kind, value, keys, summarise = CLAIM_METRICS[c["metric"]]
-        pairs = _paired(reported(_claim_scope(frame, c)[lambda f: f["kind"] == kind]), c["method"],
-                        c["versus"], keys, value)
+        kind, _, _, summarise = CLAIM_METRICS[c["metric"]]
+        pairs = _claim_pairs_in(frame, c)
         ours, n = summarise(pairs) if len(pairs) else ("no results", 0)
         setup = _setup_text(pairs, summary, kind) if len(pairs) else ""
         rows.append({**c, "ours": ours, "our_setup": setup, "n": n})
@@ -641,8 +641,13 @@ def claim_table(summary: pd.DataFrame, claims: list[dict]) -> pd.DataFrame:
 def claim_pairs(summary: pd.DataFrame, claim: dict) -> pd.DataFrame:
     """The cells behind one claim's `ours` in `claim_table`: the claim's method (`m`) and
     the method it is compared with (`v`) side by side on the metric's cell keys."""
+    return _claim_pairs_in(_claim_frame(summary), claim)
+
+
+def _claim_pairs_in(frame: pd.DataFrame, claim: dict) -> pd.DataFrame:
+    """`claim_pairs` on a frame `_claim_frame` made."""
     kind, value, keys, _ = CLAIM_METRICS[claim["metric"]]
-    frame = _claim_scope(_claim_frame(summary), claim)
+    frame = _claim_scope(frame, claim)
     return _paired(reported(frame[frame["kind"] == kind]), claim["method"], claim["versus"], keys, value)
 
 
@@ -655,16 +660,13 @@ def _claim_frame(summary: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
-CLAIM_SHARDINGS = ("fsdp", "zero1", "zero2", "zero3")
-
-
 def _claim_scope(frame: pd.DataFrame, claim: dict) -> pd.DataFrame:
     """The rows a claim is compared on: one GPU's, or, where the claim names a `sharding`,
     those of several GPUs under that scheme."""
     scheme = claim.get("sharding")
     if scheme is None:
         return frame[(frame["world_size"] == 1) & (frame["sharding"] == "none")]
-    if scheme not in CLAIM_SHARDINGS:
+    if scheme == "none" or scheme not in SCHEMES:
         raise ValueError(f"claim {claim['method']} vs {claim['versus']}: key sharding is {scheme!r}; "
-                         f"one of {', '.join(CLAIM_SHARDINGS)}, or none for one GPU")
+                         f"one of {', '.join(s for s in SCHEMES if s != 'none')}, or none for one GPU")
     return frame[(frame["world_size"] > 1) & (frame["sharding"] == scheme)]
