@@ -25,8 +25,11 @@ is: by a step run, or, between batches whose steps' traces lie on one line in th
 (three of them, byte for byte: `bench.measure.trace_line`), by the trace that line gives,
 which is the one the step would make; so a step well beyond the largest size's answer
 (twice a first guess) is run early, and the boundaries below it are computed, not run.
-The steps count no FLOPs (fit reports none; `StepCost` would cost a dispatch mode per
-operator).
+A model of 16 blocks or more (one GPU, or rank 0 under FSDP2) runs its full depth once, at
+`--batch-size`: the other batches are read from a copy of it with 4 blocks, once the
+copies with 3, 4 and 5 blocks give the full model's trace at that batch byte for byte
+(`bench.measure.trace_depth`; `capacity._Deep`). The steps count no FLOPs (fit reports
+none; `StepCost` would cost a dispatch mode per operator).
 
 Methods are answered in `--jobs` worker processes (default: one per core this process may
 use), each importing torch once and answering one method after another; a method's job
@@ -297,11 +300,13 @@ def _search(oracle, job: Job, base: dict, memory_gb: list[float], batch_size: in
                      "largest_batch": k * unit, "at_max_batch": k == most,
                      "predicted_gpu_bytes_at_largest":
                          largest["memory"]["predicted_gpu_bytes"] if k and largest else None})
-    steps = sorted(b for b, r in oracle.records.items() if not r.get("line"))
+    steps = sorted(b for b, r in oracle.records.items() if not r.get("line") and not r.get("depth"))
+    shallow = sorted(b for b, r in oracle.records.items() if r.get("depth"))
     computed = sorted(b for b, r in oracle.records.items() if r.get("line"))
     print(f"{label} " + "; ".join(f"{r['memory_gb']:g} GiB: {'fits' if r['fits'] else 'does not fit'}"
                                   f", largest batch {r['largest_batch']}" for r in rows)
           + f" ({len(steps)} steps: batch {', '.join(map(str, steps))}"
+          + (f"; read from a shallow copy: batch {', '.join(map(str, shallow))}" if shallow else "")
           + (f"; from their line: batch {', '.join(map(str, computed))}" if computed else "")
           + f"; {time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
     return rows

@@ -102,16 +102,43 @@ def shape_overrides(fam: str, width: int, layers: int) -> dict:
             "intermediate_size": ffn}
 
 
+# A model at another depth: its name, "@l", the number of blocks ("llama-7b@l3"). What
+# `membench fit` builds to read a deep model's step from shallow ones (`bench.measure.trace_depth`).
+DEPTH_SUFFIX = re.compile(r"^(.+)@l([1-9][0-9]*)$")
+
+
+def at_depth(name: str, layers: int) -> str:
+    """The name of model `name` with `layers` blocks (everything else as `name`)."""
+    return f"{_split_depth(name)[0]}@l{layers}"
+
+
+def _split_depth(name: str) -> tuple[str, int | None]:
+    match = DEPTH_SUFFIX.match(name)
+    return (match.group(1), int(match.group(2))) if match else (name, None)
+
+
 def is_config_file(name: str) -> bool:
     """A model named by the path of an existing .json file (a Hugging Face config.json)."""
-    return name.endswith(".json") and os.path.isfile(name)
+    path = _split_depth(name)[0]
+    return path.endswith(".json") and os.path.isfile(path)
 
 
 def load_config(path: str):
     """The transformers config of a config.json, and the family it registers in OBJECTIVE;
-    ValueError, in one line, when transformers cannot build it offline from the file."""
+    ValueError, in one line, when transformers cannot build it offline from the file. A
+    depth suffix (`at_depth`) sets its number of blocks (and cuts a per-block list of
+    layer kinds to it)."""
+    import copy
+
+    path, layers = _split_depth(path)
     stat = os.stat(path)
-    return _load_config(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    config, fam = _load_config(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    if layers is not None:
+        config = copy.deepcopy(config)
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:layers]
+        config.num_hidden_layers = layers
+    return config, fam
 
 
 @functools.lru_cache(maxsize=32)
@@ -163,6 +190,10 @@ def config_of(name: str) -> tuple[str, dict]:
     values); KeyError if none of these, ValueError for a config transformers cannot build."""
     if name in MODELS:
         return MODELS[name]
+    base, layers = _split_depth(name)
+    if layers is not None and not is_config_file(name):
+        fam, overrides = config_of(base)
+        return fam, {**overrides, _DEPTH[fam]: layers}
     if is_config_file(name):
         config, fam = load_config(name)
         return fam, config.to_diff_dict()

@@ -38,7 +38,7 @@ import time
 from dataclasses import replace
 
 from bench import data, models
-from bench.measure import allocator, kinds, step, trace_line
+from bench.measure import allocator, kinds, step, trace_depth, trace_line
 from bench.measure.cost import StepCost
 from bench.measure.tracker import MemoryTracker, cuda_kernels
 from bench.method import load
@@ -220,7 +220,7 @@ class _Simulation:
     simulated sharded memory job has it (`bench.measure.sharded`): sharded once, in a fake
     process group that stays the default group until another is made (`close` ends it)."""
 
-    def __init__(self, job: Job, unit: int, cost: bool = True):
+    def __init__(self, job: Job, unit: int, cost: bool = True, mesh=None):
         self.job = job
         self.cost = cost
         self.method = load(job.method, job.hparams)
@@ -231,7 +231,8 @@ class _Simulation:
             from bench.measure import sharded
 
             self.group = contextlib.ExitStack()
-            mesh = self.group.enter_context(sharded.fake_mesh(job.world_size))
+            if mesh is None:  # its own fake process group, else the caller's (`_Deep`)
+                mesh = self.group.enter_context(sharded.fake_mesh(job.world_size))
         self.model, stream = step.setup(warm, self.method, self.fake)
         self.task, self.objective = stream.task, stream.objective
         self.events: list = []
@@ -304,6 +305,77 @@ class _Simulation:
             self.group = None
 
 
+class _Deep:
+    """A simulated search (one GPU, or rank 0 under FSDP2; no cost kept) that runs the
+    model at its full depth once: the steps at other batches are read from a shallow copy
+    of it (`bench.measure.trace_depth`). At the first batch the full model's step is run,
+    and so are copies of the model with `SHALLOW` blocks; if their traces are one periodic
+    trace and it gives the full model's trace at its depth byte for byte, each later batch
+    runs only the copy at `SHALLOW[1]` blocks and takes the full depth's trace from it, while
+    that copy's trace has the same events in the same places (else the full model runs that
+    batch). A record read so has the trace's replay, no split by category (as a record from
+    the batch line, `Oracle._from_line`), and `depth`: the shallow depth it was read from."""
+
+    SHALLOW = (3, 4, 5)
+    # a model of fewer blocks runs every batch at full depth: on it, three shallow copies
+    # (a warm-up and a step each) cost about what reading its later batches saves
+    FROM_DEPTH = 16
+
+    def __init__(self, job: Job, unit: int):
+        self.job, self.unit = job, unit
+        # under FSDP2 all the models are rank 0 of one fake process group (a new group would
+        # end the one before)
+        self.group = contextlib.ExitStack()
+        self.mesh = None
+        if job.sharding == "fsdp":
+            from bench.measure import sharded
+
+            self.mesh = self.group.enter_context(sharded.fake_mesh(job.world_size))
+        self.full = _Simulation(job, unit, cost=False, mesh=self.mesh)
+        self.prefix, self.prefix_live = self.full.prefix, self.full.prefix_live
+        self.depth = models.shape(job.model)[1]
+        self.shallow: dict[int, _Simulation] = {}
+        self.rule: trace_depth.Depth | bool | None = None  # None: not tried yet; False: refused
+
+    def _shallow(self, depth: int, batch: int) -> tuple[dict, list]:
+        if depth not in self.shallow:
+            self.shallow[depth] = _Simulation(replace(self.job, model=models.at_depth(self.job.model, depth)),
+                                              self.unit, cost=False, mesh=self.mesh)
+        return self.shallow[depth].measure(batch)
+
+    def _learn(self, batch: int, trace: list) -> trace_depth.Depth | bool:
+        try:
+            rule = trace_depth.Depth({d: self._shallow(d, batch)[1] for d in self.SHALLOW})
+        except Exception:  # noqa: BLE001 - a model that has no shallow copy runs at full depth
+            return False
+        return rule if rule.ok and rule.at(self.depth) == trace_depth.numbered(trace) else False
+
+    def measure(self, batch_size: int) -> tuple[dict, list]:
+        if self.rule is None:
+            record, trace = self.full.measure(batch_size)
+            if record["status"] == "ok":
+                self.rule = self._learn(batch_size, trace)
+                print(f"[{self.job.method} {self.job.model}] its step at batch {batch_size} is "
+                      + (f"periodic in its {self.depth} blocks: other batches are read from a copy of "
+                         f"{self.SHALLOW[1]} blocks" if self.rule else
+                         "not read from shallow copies: every batch runs at full depth"),
+                      file=sys.stderr, flush=True)
+            return record, trace
+        if self.rule:
+            record, shallow = self._shallow(self.SHALLOW[1], batch_size)
+            rule = self.rule.read(shallow) if record["status"] == "ok" else None
+            if rule is not None:
+                trace = rule.at(self.depth)
+                memory = {"tier": "simulated", **step.predict_gpu(trace, None)}
+                return {"status": "ok", "message": None, "n_params": self.full.n_params, "cost": None,
+                        "depth": self.SHALLOW[1], "memory": memory}, trace
+        return self.full.measure(batch_size)
+
+    def close(self) -> None:
+        """End the fake process group (under FSDP2)."""
+        self.group.close()
+
+
 class _ZeroRuns:
     """A simulated search under ZeRO (`job.sharding` zero1-3, `job.world_size`): each batch
     as a ZeRO memory job has it (`bench.measure.kinds._zero`): modelled from one rank's
@@ -373,6 +445,10 @@ class Oracle:
         # steps run once a third lies on it (`trace_line`), between the batches run on it:
         # None while there is none, False if a later step was off a confirmed line
         self.line: trace_line.Line | bool | None = None if self.simulated and not cost else False
+        # such a search of a deep model (one GPU, or FSDP2's rank 0) reads the steps at
+        # other batches from a shallow copy (`_Deep`)
+        self.deep = (self.simulated and not cost and job.sharding in ("none", "fsdp")
+                     and models.shape(job.model)[1] >= _Deep.FROM_DEPTH)
         # the line printed per run starts with this
         self.log_prefix = log_prefix or f"[capacity {job.method} {job.model}]"
         self._started = time.perf_counter()
@@ -386,6 +462,7 @@ class Oracle:
         try:
             if self.sim is None:
                 self.sim = (_ZeroRuns(self.job) if self.job.sharding.startswith("zero") else
+                            _Deep(self.job, self.unit) if self.deep else
                             _Simulation(self.job, self.unit, self.cost))
             return self.sim.measure(batch)
         except Exception as e:  # recorded as the search's error, like a failed memory job
@@ -411,6 +488,8 @@ class Oracle:
             said = f"{size} {'predicted' if self.simulated else 'needed'}"
             if record.get("line"):
                 said += f" (not run: on the line through batches {', '.join(map(str, record['line']))})"
+            elif record.get("depth"):
+                said += f" (read from the copy of {record['depth']} blocks)"
         now = time.perf_counter()
         print(f"{self.log_prefix} batch {batch} -> {said} ({now - self._started:.1f} s)",
               file=sys.stderr, flush=True)

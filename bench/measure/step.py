@@ -177,8 +177,10 @@ def setup(job: Job, method: Method, fake=None):
         cap = job.capacity_gb * 2**30 / total if job.capacity_gb else 1.0
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap), index)
     torch.manual_seed(job.seed)
-    # Built directly in its dtype and on its device: no copy, and it works on fake tensors.
-    with fake or contextlib.nullcontext(), torch.device(job.device), default_dtype(param_dtype(job)):
+    # Built directly in its dtype and on its device: no copy, and it works on fake tensors,
+    # which hold no values: there, the random init (most of a 7B model's build) is skipped
+    with fake or contextlib.nullcontext(), torch.device(job.device), default_dtype(param_dtype(job)), \
+            (_no_init() if fake is not None else contextlib.nullcontext()):
         model = models.build(job.model, job.attn_implementation, job.dropout)
     if job.init and fake is None:  # fake tensors hold no values: nothing to load
         load_weights(model, job.init)
@@ -189,6 +191,31 @@ def setup(job: Job, method: Method, fake=None):
     objective = models.OBJECTIVE[models.family(job.model)]
     stream = data.Stream(task, objective, models.vocab_size(job.model), job.batch_size, job.seq_len, job.seed)
     return model, stream
+
+
+@contextlib.contextmanager
+def _no_init():
+    """The weights' random init skipped: torch.nn.init's functions, where torch's modules and
+    transformers' `_init_weights` call them, do nothing inside (what transformers'
+    `no_init_weights` patches, but not `init_weights` itself, which also ties the output head
+    to the embedding: the model's structure is the same)."""
+    import sys
+
+    from transformers import initialization
+
+    def nothing(tensor, *args, **kwargs):
+        return tensor
+
+    modules = [sys.modules[m] for m in initialization.TORCH_MODULES_TO_PATCH if m in sys.modules]
+    saved = [(m, name, getattr(m, name)) for m in modules + [initialization]
+             for name in initialization.TORCH_INIT_FUNCTIONS if hasattr(m, name)]
+    try:
+        for module, name, _ in saved:
+            setattr(module, name, nothing)
+        yield
+    finally:
+        for module, name, func in saved:
+            setattr(module, name, func)
 
 
 def load_weights(model: torch.nn.Module, path: str) -> None:

@@ -38,6 +38,19 @@ def shape_and_sizes(trace: list) -> tuple[tuple, list[int]]:
     return tuple(shape), sizes
 
 
+def rebuilt(shape: tuple, sizes: list[int]) -> list:
+    """The trace of a shape and sizes, its keys allocation numbers (a free of a storage the
+    trace never allocated is left out: the allocator model ignores it)."""
+    trace, n = [], 0
+    for op in shape:
+        if op == _ALLOC:
+            trace.append(("alloc", n, sizes[n]))
+            n += 1
+        elif op != _UNKNOWN:
+            trace.append(("free", op))
+    return trace
+
+
 class Line:
     """The traces of two batches (`a`, `b`: (batch, trace)) when they have one shape: the
     trace at another batch, each allocation's size on the line through the two."""
@@ -77,16 +90,7 @@ class Line:
     def at(self, batch: int) -> list | None:
         """The trace at `batch` (keys: allocation numbers), or None (see `sizes`)."""
         sizes = self.sizes(batch)
-        if sizes is None:
-            return None
-        trace, n = [], 0
-        for op in self.shape:
-            if op == _ALLOC:
-                trace.append(("alloc", n, sizes[n]))
-                n += 1
-            elif op != _UNKNOWN:
-                trace.append(("free", op))
-        return trace
+        return None if sizes is None else rebuilt(self.shape, sizes)
 
     def holds(self, batch: int, trace: list) -> bool:
         """Whether the trace run at `batch` lies on the line byte for byte (then it counts

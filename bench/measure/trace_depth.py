@@ -1,0 +1,258 @@
+"""A simulated step's allocation trace as periodic in the model's depth, so that a deep
+model's trace follows from shallow copies of it.
+
+A decoder's training step runs the same code once per block: the block's forward, its
+backward, the update of its parameters. Its allocation trace (`MemoryTracker` events, read
+as a *shape* and *sizes* as in `bench.measure.trace_line`) then grows with the depth by
+runs of copies: the trace one block deeper is the shallow one with one copy of each *unit*
+inserted at its *point* (in the run of that unit's copies), k blocks deeper with k copies.
+What an inserted free releases is read as its distance back (in events) to the allocation
+it ends: in a periodic trace that distance is the same for every copy, or grows by whole
+units with the copy and the depth (a backward block freeing its forward's activations, an
+update freeing the gradients of every block), so it is affine in the copy c and in k:
+`d = alpha + beta c + gamma k` (beta = 0 for the shallow trace's own frees).
+
+`Depth` learns this from the traces at three consecutive depths a, a + 1, a + 2 at one
+batch: the units where a + 1 differs from a (`_inserts`), their points (`_candidates`), the
+rule of each free from all three, and it holds (`ok`) only if the traces it gives at a + 1
+and a + 2 are the ones run, byte for byte. `at(depth)` gives the trace at any depth from a
+on (keys: allocation numbers, as `trace_line.Line.at`), and `read` the same rule at another
+batch from that batch's trace at a + 1 alone. Beyond a + 2 it is a claim about code that
+repeats per block, so the search that uses it (`bench.measure.capacity._Deep`) first
+checks it against the full model's own trace at one batch. A model whose blocks differ
+(alternating attention kinds) or a step with a count that is not per block (buckets of a
+fixed number of bytes) gives no rule, or one that check refuses, and runs at full depth.
+Blocks at the ends of a run may differ from the rest (the first block of the backward has
+no gradient to add to; an early block frees its input an event later): the units' points
+are put between blocks that do not, which needs a >= 3 (two blocks at depth 2 are both
+ends).
+"""
+from __future__ import annotations
+
+from bench.measure.trace_line import _ALLOC, _UNKNOWN, rebuilt, shape_and_sizes
+
+
+def _tokens(shape: tuple, sizes: list[int]) -> list[tuple]:
+    """Per event: ("a", bytes), ("f", bytes of what it frees) or ("u",) (a free of a storage
+    the trace never allocated): what two traces must share to be the same run of events."""
+    out, n = [], 0
+    for op in shape:
+        if op == _ALLOC:
+            out.append(("a", sizes[n]))
+            n += 1
+        else:
+            out.append(("u",) if op == _UNKNOWN else ("f", sizes[op]))
+    return out
+
+
+def _distances(shape: tuple) -> list[int | None]:
+    """Per event: for a free, the events between it and the allocation it ends (None for an
+    allocation or an unknown free)."""
+    where, out = [], []
+    for e, op in enumerate(shape):
+        if op == _ALLOC:
+            where.append(e)
+            out.append(None)
+        else:
+            out.append(None if op == _UNKNOWN else e - where[op])
+    return out
+
+
+class Depth:
+    """The trace at any depth from those at three consecutive depths (see the module
+    docstring); `ok` is False where they are not one periodic trace."""
+
+    def __init__(self, traces: dict[int, list]):
+        self.a = min(traces)
+        depths = sorted(traces)
+        shapes = [shape_and_sizes(traces[d]) for d in depths]
+        tokens = [_tokens(*t) for t in shapes]
+        self.ok = False
+        self.base = tokens[0]
+        self.units: list[tuple[int, list]] = []  # (point in the shallow trace, unit's tokens)
+        self.rules: dict[tuple, tuple | None] = {}  # a free's distance rule by where it sits
+        if depths != [self.a, self.a + 1, self.a + 2]:
+            raise ValueError(f"three consecutive depths are needed, not {depths}")
+        inserts = _inserts(tokens[0], tokens[1])
+        if not inserts:
+            return
+        candidates = _candidates(tokens[0], _distances(shapes[0][0]), inserts)
+        self.units = [c[0] for c in candidates]
+        if any([t for _, t in self._layout(k)] != tokens[k] for k in (1, 2)):
+            return
+        distances = [_distances(shape) for shape, _ in shapes]
+        tried = [0] * len(candidates)
+        for _ in range(_ATTEMPTS):
+            self.units = [c[n] for c, n in zip(candidates, tried)]
+            rules, wrong = self._rules(distances)
+            if not wrong:
+                self.rules = rules
+                self.ok = all(self.at(d) == numbered(traces[d]) for d in depths)
+                return
+            # the next candidate point of each unit a wrong rule sits in or next to
+            stuck = True
+            for j in wrong:
+                if tried[j] + 1 < len(candidates[j]):
+                    tried[j] += 1
+                    stuck = False
+            if stuck:
+                return
+
+    def _rules(self, distances: list) -> tuple[dict, set]:
+        """Each free's distance rule, keyed by where it sits (("b", i) or ("u", j, offset)),
+        and the units whose frees (or the shallow trace's frees nearest their point) fit none."""
+        seen: dict[tuple, list] = {}
+        for k in range(len(distances)):
+            for (where, _), d in zip(self._layout(k), distances[k]):
+                seen.setdefault(where[:2] if where[0] == "b" else where[:3], []).append(
+                    (where[3] if where[0] == "u" else 0, k, d))
+        rules, wrong = {}, set()
+        points = [p for p, _ in self.units]
+        for where, fits in seen.items():
+            rules[where] = rule = _fit(fits)
+            if rule is False:
+                wrong.add(where[1] if where[0] == "u" else
+                          min(range(len(points)), key=lambda j: abs(points[j] - where[1])))
+        return rules, wrong
+
+    def _layout(self, k: int) -> list[tuple]:
+        """The events at depth a + k: (where, token), where = ("b", i) for the shallow
+        trace's event i, ("u", j, offset, copy) for an inserted copy of unit j."""
+        out, point = [], 0
+        for j, (p, unit) in enumerate(self.units + [(len(self.base), [])]):
+            out += [(("b", i), self.base[i]) for i in range(point, p)]
+            out += [(("u", j, o, c), t) for c in range(k) for o, t in enumerate(unit)]
+            point = p
+        return out
+
+    def read(self, trace: list) -> Depth | None:
+        """This rule with the sizes of `trace`, a step at depth a + 1 (another batch), or None
+        if that step is not this rule's at a + 1 with other sizes: the same events in the same
+        places, each free ending the allocation the rule says."""
+        layout = self._layout(1)
+        tokens = _tokens(*shape_and_sizes(trace))
+        if len(tokens) != len(layout) or any(t[0] != u[0] for (_, u), t in zip(layout, tokens)):
+            return None
+        other = object.__new__(Depth)
+        other.a, other.rules, other.ok = self.a, self.rules, self.ok
+        other.base = list(self.base)
+        units = [list(unit) for _, unit in self.units]
+        for (where, _), token in zip(layout, tokens):
+            if where[0] == "b":
+                other.base[where[1]] = token
+            else:
+                units[where[1]][where[2]] = token
+        other.units = [(p, unit) for (p, _), unit in zip(self.units, units)]
+        return other if other.at(self.a + 1) == numbered(trace) else None
+
+    def at(self, depth: int) -> list | None:
+        """The trace at `depth` (at least a; keys: allocation numbers), or None where a free's
+        distance does not land on a live allocation of its size."""
+        k = depth - self.a
+        if k < 0 or not self.rules:
+            return None
+        trace, number, alive = [], {}, {}  # event -> allocation number; live number -> bytes
+        for e, (where, token) in enumerate(self._layout(k)):
+            if token[0] == "a":
+                number[e] = len(number)
+                alive[number[e]] = token[1]
+                trace.append(("alloc", number[e], token[1]))
+            elif token[0] == "f":
+                alpha, beta, gamma = self.rules[where[:2] if where[0] == "b" else where[:3]]
+                n = number.get(e - (alpha + beta * (where[3] if where[0] == "u" else 0) + gamma * k))
+                if n is None or alive.pop(n, None) != token[1]:
+                    return None
+                trace.append(("free", n))
+        return trace
+
+
+def _fit(points: list) -> tuple | None | bool:
+    """(alpha, beta, gamma) of a free's distance d = alpha + beta c + gamma k over its
+    points (copy c, k, d): solved from the first points that fix it, and holding at every
+    other; None for an allocation or an unknown free; False if there is no such rule."""
+    if all(d is None for *_, d in points):
+        return None
+    if any(d is None for *_, d in points):
+        return False
+    (c0, k0, d0), rest = points[0], points[1:]
+    later = next(((c, k, d) for c, k, d in rest if k != k0 and c == c0), None)
+    if later is None:
+        return False
+    gamma = (later[2] - d0) // (later[1] - k0)
+    other = next(((c, k, d) for c, k, d in rest if c != c0), None)
+    beta = 0 if other is None else (other[2] - d0 - gamma * (other[1] - k0)) // (other[0] - c0)
+    alpha = d0 - beta * c0 - gamma * k0
+    return (alpha, beta, gamma) if all(d == alpha + beta * c + gamma * k for c, k, d in points) else False
+
+
+def numbered(trace: list) -> list:
+    """A trace with its keys replaced by allocation numbers, as `Depth.at` writes it."""
+    return rebuilt(*shape_and_sizes(trace))
+
+
+_LOOKAHEAD = 64  # tokens two traces must go on alike after a unit to prefer it
+_ATTEMPTS = 40  # sets of points tried before a trace is taken as not periodic
+_CANDIDATES = 8  # points tried per unit
+
+
+def _inserts(base: list, deeper: list) -> list:
+    """The units (point in `base`, tokens) that make `deeper` from `base`, one copy each,
+    or [] if it is not so made. Read left to right: where the two first differ, a unit is a
+    run of `deeper` that repeats next to itself (a copy in a run of copies) and whose
+    removal lets the two go on alike; of those, the one they go on alike the longest after
+    (the shortest of equals: a run of single tokens repeats next to itself too)."""
+    out, i, j = [], 0, 0
+    extra = len(deeper) - len(base)
+    while j < len(deeper):
+        if i < len(base) and base[i] == deeper[j]:
+            i, j = i + 1, j + 1
+            continue
+        best, after = 0, -1
+        for n in range(1, min(extra, len(deeper) - j) + 1):
+            unit = deeper[j:j + n]
+            if deeper[j + n:j + 2 * n] != unit and deeper[max(0, j - n):j] != unit:
+                continue
+            same = 0
+            while (same < _LOOKAHEAD and i + same < len(base) and j + n + same < len(deeper)
+                   and base[i + same] == deeper[j + n + same]):
+                same += 1
+            if same > after or j + n + same == len(deeper) and after < _LOOKAHEAD:
+                best, after = n, same
+                if after == _LOOKAHEAD:
+                    break
+        if not best:
+            return []
+        out.append((i, deeper[j:j + best]))
+        j += best
+        extra -= best
+    return out if i == len(base) and extra == 0 else []
+
+
+def _candidates(base: list, distances: list, inserts: list) -> list[list]:
+    """Per unit (`_inserts`: (point, tokens)), the points to insert its copies at, best
+    first, each with the unit rotated to match: positions in the run of copies the shallow
+    trace has there. `_inserts` finds it anywhere in its run and in any rotation; but the first
+    and the last blocks of a run often differ from the others in what they free (the
+    backward's first block has no gradient to add to; an early block frees what the block
+    before it made a step later), and a copy that does not start where a block starts ends
+    what the block before it made. So the best points are those the fewest short-lived
+    allocations (made and freed within one unit's length) live across, nearest the run's
+    middle; `Depth` tries the others where the distances fit no rule."""
+    out = []
+    for j, (p, unit) in enumerate(inserts):
+        n = len(unit)
+        start = inserts[j - 1][0] if j else 0
+        end = inserts[j + 1][0] if j + 1 < len(inserts) else len(base)
+        left = 0
+        while p - left > start and base[p - left - 1] == unit[(-left - 1) % n]:
+            left += 1
+        right = 0
+        while p + right < end and base[p + right] == unit[right % n]:
+            right += 1
+        middle = p - left + n * ((left + right) // n // 2)
+        run = range(p - left, p + right + 1)
+        links = [(e - distances[e], e) for e in range(max(0, run[0] - n), min(len(base), run[-1] + n))
+                 if distances[e] is not None and distances[e] < n]
+        best = sorted(run, key=lambda q: (sum(i < q <= e for i, e in links), abs(q - middle)))
+        out.append([(q, [unit[(q - p + i) % n] for i in range(n)]) for q in best[:_CANDIDATES]])
+    return out

@@ -1,0 +1,136 @@
+"""A simulated step's trace as periodic in the model's depth (`bench.measure.trace_depth`):
+the trace of a deep model from shallow copies, byte for byte; refused where the step is not
+periodic; and `membench fit`'s answers the same as with every batch run at full depth."""
+import itertools
+from dataclasses import replace
+
+import pytest
+
+from bench import fit, models
+from bench.job import Job
+from bench.measure import allocator, capacity
+from bench.measure.trace_depth import Depth, numbered
+
+
+def toy_step(layers: int, batch: int = 1, bucket: int | None = None) -> list:
+    """A toy training step's allocation trace with what makes real ones hard to read: a
+    first block that frees its input a step late, a backward freeing each block's saved
+    activations in reverse, an optimizer that makes a temporary per parameter then frees
+    them all (a foreach op), and keys that are reused addresses. With `bucket`, gradients
+    are reduced in buckets of that many blocks (a count not per block)."""
+    events, free_keys = [], []
+    counter = itertools.count()
+
+    def alloc(n: int) -> int:
+        key = free_keys.pop() if free_keys else next(counter)
+        events.append(("alloc", key, n))
+        return key
+
+    def free(key: int) -> None:
+        events.append(("free", key))
+        free_keys.append(key)
+
+    weights = [alloc(8192)] + [alloc(4096 + i % 2 * 64) for i in range(2 * layers)] + [alloc(8192)]
+    h = alloc(64 * batch)
+    saved = []
+    for i in range(layers):
+        t = alloc(100 * batch)
+        saved.append(alloc(200 * batch))
+        if i:
+            free(h)
+        free(t)
+        new = alloc(64 * batch)
+        if not i:
+            free(h)
+        h = new
+    logits = alloc(1000 * batch)
+    free(h)
+    grad_h = alloc(64 * batch)
+    free(logits)
+    grads, pending = [], []
+    for i in reversed(range(layers)):
+        g = alloc(64 * batch)
+        free(saved[i])
+        free(grad_h)
+        grad_h = g
+        pending += [alloc(4096), alloc(4096 + 64)]
+        if bucket is None or len(pending) >= 2 * bucket or i == 0:
+            reduce = alloc(sum(8 for _ in pending))
+            free(reduce)
+            grads += pending
+            pending = []
+    free(grad_h)
+    temps = [alloc(4096) for _ in weights]
+    for t in temps:
+        free(t)
+    for g in grads:
+        free(g)
+    return events
+
+
+def test_a_deep_trace_follows_from_three_shallow_ones_byte_for_byte():
+    depth = Depth({n: toy_step(n) for n in (3, 4, 5)})
+    assert depth.ok
+    for layers in (5, 6, 9, 32):
+        assert depth.at(layers) == numbered(toy_step(layers))
+        assert allocator.replay(depth.at(layers)) == allocator.replay(toy_step(layers))
+    # another batch: the same rule with the sizes of a step at depth 4
+    other = depth.read(toy_step(4, batch=3))
+    assert other is not None and other.at(32) == numbered(toy_step(32, batch=3))
+    # a step with other events at depth 4 is not this rule's
+    assert depth.read(toy_step(4)[:-1]) is None
+
+
+def test_a_step_not_periodic_in_depth_is_refused_or_caught_where_it_is_used():
+    depth = Depth({n: toy_step(n, bucket=2) for n in (3, 4, 5)})
+    # either no rule, or one that gives another trace at some depth: the search uses a rule
+    # only once it gives the full model's trace at the full depth (`capacity._Deep`)
+    assert not depth.ok or any(depth.at(n) != numbered(toy_step(n, bucket=2)) for n in range(6, 13))
+
+
+def test_consecutive_depths_are_needed():
+    with pytest.raises(ValueError, match="three consecutive"):
+        Depth({3: toy_step(3), 5: toy_step(5), 6: toy_step(6)})
+
+
+def test_a_model_at_another_depth():
+    assert models.shape(models.at_depth("llama-7b", 3)) == (4096, 3)
+    assert models.shape(models.at_depth("llama-d512-l8-v256", 2)) == (512, 2)
+    assert models.vocab_size(models.at_depth("llama-d512-l8-v256", 2)) == 256
+    mistral = models.at_depth("examples/mistral-7b/config.json", 4)
+    assert models.is_config_file(mistral) and models.shape(mistral) == (4096, 4)
+    assert models.family(mistral) == "mistral"
+
+
+DEEP = "llama-d64-l8-v256"  # deeper than the shallow copies (3, 4 and 5 blocks)
+
+
+def test_a_deep_models_trace_from_shallow_copies_is_the_full_ones():
+    """On real steps (fake tensors): the shallow copies' rule gives the 8-block model's trace at
+    the learning batch and, read from the 4-block copy, at another."""
+    job = Job(kind="memory", method="adamw", model=DEEP, batch_size=8, seq_len=32, dtype="bfloat16",
+              simulate=True)
+    sims = {n: capacity._Simulation(replace(job, model=models.at_depth(DEEP, n)), 1, cost=False)
+            for n in (3, 4, 5)}
+    full = capacity._Simulation(job, 1, cost=False)
+    depth = Depth({n: sim.measure(8)[1] for n, sim in sims.items()})
+    assert depth.ok and depth.at(8) == numbered(full.measure(8)[1])
+    other = depth.read(sims[4].measure(24)[1])
+    assert other is not None and other.at(8) == numbered(full.measure(24)[1])
+
+
+# fit's answer for lomo on DEEP at 0.52 GiB with every batch run at full depth (computed so,
+# with `_Deep.FROM_DEPTH` above the model's depth): fits, largest batch, GPU bytes predicted,
+# peak bytes, GPU bytes predicted at the largest batch
+HELD = {(1, "none"): (True, 18, 547356672, 9411976, 557842432),
+        (8, "fsdp"): (True, 18, 547356672, 8500888, 557842432)}
+
+
+@pytest.mark.parametrize("world_size, sharding", list(HELD))
+def test_fit_answers_the_same_from_shallow_copies_as_at_full_depth(world_size, sharding, monkeypatch, capsys):
+    monkeypatch.setattr(capacity._Deep, "FROM_DEPTH", 8)  # this model's depth: read from shallow copies
+    [row] = fit.answer(model=DEEP, method="lomo", memory_gb=[0.52], batch_size=8, seq_len=32, dtype="bfloat16",
+                       max_batch=512, world_size=world_size, sharding=sharding)
+    assert "read from a shallow copy: batch" in capsys.readouterr().err
+    assert (row["fits"], row["largest_batch"], row["predicted_gpu_bytes"], row["peak_bytes"],
+            row["predicted_gpu_bytes_at_largest"]) == HELD[world_size, sharding]
