@@ -32,8 +32,10 @@ The schemes, as the suite runs or models them:
   W x the group's padded shards, `padded_numel` x element size); backward all-gathers the
   blocks again (resharded after forward), not the root; backward reduce-scatters each group's
   gradients (`foreach_reduce`: each gradient padded to ceil(d0 / W) x W rows, W x the rank's
-  gradient shards), of the trainable parameters only. No mixed-precision policy: parameters
-  gathered and gradients reduced in the parameters' dtype.
+  gradient shards), of the trainable parameters only. Parameters are gathered in their
+  dtype, or under mixed precision in the compute dtype (FSDP2's `MixedPrecisionPolicy` as
+  `sharded.shard` sets it: `gather_itemsize`); gradients are reduced in the parameters'
+  dtype (float32 under mixed precision).
 - DeepSpeed ZeRO (`zero`; 0.19.8 with its defaults, read in `deepspeed/runtime/zero/`, and the
   layout of `bench.measure.zero`: one flat group, frozen parameters whole on every rank):
   stage 1 and 2 all-reduce the gradients (`use_multi_rank_bucket_allreduce` true by default:
@@ -101,18 +103,21 @@ def fsdp_group(name: str) -> str:
     return "" if cut is None else ".".join(parts[:cut + 1])
 
 
-def fsdp(shards: list[dict], world_size: int, passes: int = 1, grad_shard_bytes: int | None = None) -> dict:
+def fsdp(shards: list[dict], world_size: int, passes: int = 1, grad_shard_bytes: int | None = None,
+         gather_itemsize: int | None = None) -> dict:
     """FSDP2's collectives per step (module docstring), from a rank's `shards`
     (`sharded.measure_rank`: per parameter its `name`, `padded_numel`, `element_size`).
     The reduce-scatter's buffer is W x the rank's gradient shards: `grad_shard_bytes` where
     some parameters are frozen (a result's gradient bytes as the update begins), else every
-    shard's padded bytes."""
-    padded = {}
+    shard's padded bytes. `gather_itemsize`: the bytes of an element as gathered (mixed
+    precision's compute dtype), if not the parameters' own."""
+    padded, gathered = {}, {}
     for s in shards:
         group = fsdp_group(s["name"])
         padded[group] = padded.get(group, 0) + s["padded_numel"] * s["element_size"]
-    every = world_size * sum(padded.values())
-    blocks = world_size * sum(b for g, b in padded.items() if g)  # the root is not resharded after forward
+        gathered[group] = gathered.get(group, 0) + s["padded_numel"] * (gather_itemsize or s["element_size"])
+    every = world_size * sum(gathered.values())
+    blocks = world_size * sum(b for g, b in gathered.items() if g)  # the root is not resharded after forward
     grads = world_size * (sum(padded.values()) if grad_shard_bytes is None else grad_shard_bytes)
     return summary([Collective("all_gather", "forward", every, passes),
                     Collective("all_gather", "backward", blocks, passes),

@@ -81,7 +81,8 @@ def _fsdp(job: Job, method: Method) -> dict:
     if first.get("shards"):
         frozen = first["trainable_params"] < first["n_params"]  # only the trainable gradients are reduced
         moved = collectives.fsdp(first["shards"], job.world_size, method.hp["micro_batches"],
-                                 grad_shard_bytes=(first["before_update"] or {}).get("grad") if frozen else None)
+                                 grad_shard_bytes=(first["before_update"] or {}).get("grad") if frozen else None,
+                                 gather_itemsize=step.DTYPES[job.dtype].itemsize if job.precision == "mixed" else None)
     return {"n_params": first["n_params"], "trainable_params": first["trainable_params"],
             "memory": first["memory"], "first_step_peak_bytes": first["first_step_peak_bytes"],
             "loss": first["loss"], "before_update": first["before_update"], "after_step": first["after_step"],

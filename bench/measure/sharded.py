@@ -59,8 +59,8 @@ What the tracker needs beyond `MemoryTracker` (`ShardedTracker`):
 6. A collective's own temporaries (gloo's flat copy of a reduce-scatter input) are left
    out: NCCL and the fake group make none.
 
-Limits: one scheme (FSDP2, `reshard_after_forward` at its default, no mixed precision
-policy); one data-parallel dimension; every rank trains on the job's batch (the memory of a
+Limits: one scheme (FSDP2, `reshard_after_forward` at its default; under mixed precision
+its `MixedPrecisionPolicy`, `shard`); one data-parallel dimension; every rank trains on the job's batch (the memory of a
 rank does not depend on the values). CUDA's separate all-gather and reduce-scatter streams
 (one allocator pool each) are not modelled: the allocator replay (`step.predict_gpu`) sees
 one stream, so its reserved bytes are a lower bound. NCCL's own buffers are not tensors.
@@ -104,12 +104,20 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 def shard(model: nn.Module, mesh) -> nn.Module:
     """`fully_shard` every block, then the root (the embedding, final norm and head stay in
-    the root's group), as torchtitan does."""
-    from torch.distributed.fsdp import fully_shard
+    the root's group), as torchtitan does. Under mixed precision (the model's `Precision`,
+    `bench.method.use_precision`) with FSDP2's `MixedPrecisionPolicy` as torchtitan sets it:
+    the float32 shards are gathered in the compute dtype (bfloat16 or float16), and the
+    gradients reduced in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from bench.method import precision_of
+
+    precision = precision_of(model)
+    policy = (MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=torch.float32)
+              if precision.mixed else MixedPrecisionPolicy())
     for block in blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 

@@ -39,7 +39,7 @@ def counted():
     group, and keeping rank 0's `sharded.measure_rank` result (its shards)."""
     out = {}
 
-    def run(method, **hparams):
+    def run(method, precision="pure", dtype="float32", **hparams):
         calls, ranks = {"all_gather": 0, "reduce_scatter": 0}, []
         gather, scatter, measure = dist.all_gather_single, dist.reduce_scatter_single, sharded.measure_rank
 
@@ -60,12 +60,14 @@ def counted():
             mp.setattr(dist, "reduce_scatter_single", reduce_scatter_single)
             mp.setattr(sharded, "measure_rank", measure_rank)
             record = runner.run(Job(kind="memory", method=method, model="gpt2-tiny", batch_size=4, seq_len=32,
-                                    world_size=W, sharding="fsdp", simulate=True, hparams=hparams))
+                                    world_size=W, sharding="fsdp", simulate=True, hparams=hparams,
+                                    precision=precision, dtype=dtype))
         assert record["status"] == "ok", record.get("message")
         return {"record": record, "calls": calls, "rank": ranks[0]}
 
     out["adamw"] = run("adamw")
     out["lora"] = run("lora", micro_batches=2)
+    out["mixed"] = run("adamw", precision="mixed", dtype="bfloat16")
     return out
 
 
@@ -93,6 +95,19 @@ def test_fsdp_bytes_follow_the_shards_and_fsdp2s_own_calls(counted):
     assert run["calls"] == {"all_gather": 2 * (every + in_blocks), "reduce_scatter": 2 * every}
     # the job's result carries the same (kinds._fsdp)
     assert run["record"]["sharding"]["collectives"] == got
+
+
+def test_mixed_precision_gathers_in_the_compute_dtype_and_reduces_in_float32(counted):
+    """Under mixed precision FSDP2 (`MixedPrecisionPolicy`, `sharded.shard`) gathers the
+    float32 shards in bfloat16 and reduce-scatters float32 gradients: what it handed the
+    process group, and the estimate from the shards."""
+    pure, mixed = counted["adamw"]["calls"], counted["mixed"]
+    assert mixed["calls"] == {"all_gather": pure["all_gather"] // 2, "reduce_scatter": pure["reduce_scatter"]}
+    got = collectives.fsdp(mixed["rank"]["shards"], W, gather_itemsize=2)
+    assert mixed["record"]["sharding"]["collectives"] == got
+    ops = {(o["op"], o["when"]): o["buffer_bytes"] for o in got["ops"]}
+    assert 2 * (ops["all_gather", "forward"] + ops["all_gather", "backward"]) == mixed["calls"]["all_gather"]
+    assert 2 * ops["reduce_scatter", "backward"] == mixed["calls"]["reduce_scatter"]
 
 
 def test_fsdp_reduces_only_trainable_gradients_and_gathers_per_micro_batch(counted):

@@ -193,3 +193,27 @@ def test_simulated_equals_real_at_four_ranks(model):
         assert_same(s, r)
         param, grad, optimizer = fsdp2_bytes(model, 4, r["rank"])
         assert r["before_update"] == {"param": param, "grad": grad, "optimizer": optimizer}
+
+
+@pytest.fixture(scope="module")
+def sim2_mixed():
+    return sharded.simulate_ranks(job(precision="mixed", dtype="bfloat16"), 2)
+
+
+def test_mixed_precision_gathers_in_the_compute_dtype(sim2, sim2_mixed):
+    """Under mixed precision FSDP2's MixedPrecisionPolicy (`sharded.shard`) gathers the
+    float32 shards in bfloat16: the gathered parameters and the all-gather buffers at the
+    peak are half float32's, the shards, their gradients and AdamW's state stay float32."""
+    for pure, mixed in zip(sim2, sim2_mixed):
+        assert mixed["sharding"]["unsharded_param"] * 2 == pure["sharding"]["unsharded_param"] > 0
+        assert mixed["sharding"]["comm"] * 2 == pure["sharding"]["comm"] > 0
+        assert mixed["before_update"] == pure["before_update"]
+        assert {s["dtype"] for s in mixed["shards"]} == {"torch.float32"}
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_mixed_precision_simulated_equals_real(sim2_mixed):
+    real = sharded.run_ranks(job(precision="mixed", dtype="bfloat16"), 2)
+    for s, r in zip(sim2_mixed, real):
+        assert_same(s, r)
