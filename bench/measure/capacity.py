@@ -312,9 +312,10 @@ class _Deep:
     and so are copies of the model with `SHALLOW` blocks; if their traces are one periodic
     trace and it gives the full model's trace at its depth byte for byte, each later batch
     runs only the copy at `SHALLOW[1]` blocks and takes the full depth's trace from it, while
-    that copy's trace has the same events in the same places (else the full model runs that
-    batch). A record read so has the trace's replay, no split by category (as a record from
-    the batch line, `Oracle._from_line`), and `depth`: the shallow depth it was read from."""
+    that copy's trace has the same events in the same places (once it has not, that batch
+    and every later one runs at full depth). A record read so has the trace's replay, no
+    split by category (as a record from the batch line, `Oracle._from_line`), and `depth`:
+    the shallow depth it was read from."""
 
     SHALLOW = (3, 4, 5)
     # a model of fewer blocks runs every batch at full depth: on it, three shallow copies
@@ -369,6 +370,11 @@ class _Deep:
                 memory = {"tier": "simulated", **step.predict_gpu(trace, None)}
                 return {"status": "ok", "message": None, "n_params": self.full.n_params, "cost": None,
                         "depth": self.SHALLOW[1], "memory": memory}, trace
+            # a step whose events change with the batch or from step to step (chunks per
+            # batch, state that grows): the later batches run at full depth, none read
+            self.rule = False
+            print(f"[{self.job.method} {self.job.model}] its step at batch {batch_size} is not the rule's: "
+                  f"this and later batches run at full depth", file=sys.stderr, flush=True)
         return self.full.measure(batch_size)
 
     def close(self) -> None:
