@@ -336,7 +336,9 @@ class _Deep:
         self.prefix, self.prefix_live = self.full.prefix, self.full.prefix_live
         self.depth = models.shape(job.model)[1]
         self.shallow: dict[int, _Simulation] = {}
-        self.rule: trace_depth.Depth | bool | None = None  # None: not tried yet; False: refused
+        # None: not tried yet; False: refused, or never tried for a method that plans each
+        # batch shape anew (ROAM): its step at one batch says nothing of another's
+        self.rule: trace_depth.Depth | bool | None = False if self.full.method.plans_per_shape else None
 
     def _shallow(self, depth: int, batch: int) -> tuple[dict, list]:
         if depth not in self.shallow:
