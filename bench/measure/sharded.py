@@ -60,8 +60,8 @@ What the tracker needs beyond `MemoryTracker` (`ShardedTracker`):
    out: NCCL and the fake group make none.
 
 Limits: one scheme (FSDP2, `reshard_after_forward` at its default; under mixed precision
-its `MixedPrecisionPolicy`, `shard`); one data-parallel dimension; every rank trains on the job's batch (the memory of a
-rank does not depend on the values). CUDA's separate all-gather and reduce-scatter streams
+its `MixedPrecisionPolicy`, `shard`); one data-parallel dimension; every rank trains on the
+job's batch (the memory of a rank does not depend on the values). CUDA's separate all-gather and reduce-scatter streams
 (one allocator pool each) are not modelled: the allocator replay (`step.predict_gpu`) sees
 one stream, so its reserved bytes are a lower bound. NCCL's own buffers are not tensors.
 """

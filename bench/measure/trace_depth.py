@@ -29,6 +29,8 @@ ends).
 """
 from __future__ import annotations
 
+import copy
+
 from bench.measure.trace_line import _ALLOC, _UNKNOWN, rebuilt, shape_and_sizes
 
 
@@ -87,7 +89,7 @@ class Depth:
             rules, wrong = self._rules(distances)
             if not wrong:
                 self.rules = rules
-                self.ok = all(self.at(d) == numbered(traces[d]) for d in depths)
+                self.ok = all(self.at(d) == rebuilt(*shape) for d, shape in zip(depths, shapes))
                 return
             # the next candidate point of each unit a wrong rule sits in or next to
             stuck = True
@@ -130,11 +132,11 @@ class Depth:
         if that step is not this rule's at a + 1 with other sizes: the same events in the same
         places, each free ending the allocation the rule says."""
         layout = self._layout(1)
-        tokens = _tokens(*shape_and_sizes(trace))
+        shape, sizes = shape_and_sizes(trace)
+        tokens = _tokens(shape, sizes)
         if len(tokens) != len(layout) or any(t[0] != u[0] for (_, u), t in zip(layout, tokens)):
             return None
-        other = object.__new__(Depth)
-        other.a, other.rules, other.ok = self.a, self.rules, self.ok
+        other = copy.copy(self)  # the same rules and points, other sizes
         other.base = list(self.base)
         units = [list(unit) for _, unit in self.units]
         for (where, _), token in zip(layout, tokens):
@@ -143,7 +145,7 @@ class Depth:
             else:
                 units[where[1]][where[2]] = token
         other.units = [(p, unit) for (p, _), unit in zip(self.units, units)]
-        return other if other.at(self.a + 1) == numbered(trace) else None
+        return other if other.at(self.a + 1) == rebuilt(shape, sizes) else None
 
     def at(self, depth: int) -> list | None:
         """The trace at `depth` (at least a; keys: allocation numbers), or None where a free's
