@@ -305,10 +305,11 @@ def _search(oracle, job: Job, base: dict, memory_gb: list[float], batch_size: in
     computed = sorted(b for b, r in oracle.records.items() if r.get("line"))
     print(f"{label} " + "; ".join(f"{r['memory_gb']:g} GiB: {'fits' if r['fits'] else 'does not fit'}"
                                   f", largest batch {r['largest_batch']}" for r in rows)
-          + f" ({len(steps)} steps: batch {', '.join(map(str, steps))}"
-          + (f"; read from a shallow copy: batch {', '.join(map(str, shallow))}" if shallow else "")
-          + (f"; from their line: batch {', '.join(map(str, computed))}" if computed else "")
-          + f"; {time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+          + " (" + "; ".join(part for part in (
+              f"{len(steps)} steps run: batch {', '.join(map(str, steps))}" if steps else "",
+              f"read from shallow copies: batch {', '.join(map(str, shallow))}" if shallow else "",
+              f"from their line: batch {', '.join(map(str, computed))}" if computed else "",
+              f"{time.perf_counter() - started:.1f} s") if part) + ")", file=sys.stderr, flush=True)
     return rows
 
 

@@ -40,7 +40,7 @@ from dataclasses import replace
 from bench import data, models
 from bench.measure import allocator, kinds, step, trace_depth, trace_line
 from bench.measure.cost import StepCost
-from bench.measure.tracker import MemoryTracker, cuda_kernels
+from bench.measure.tracker import MemoryTracker, cuda_kernels, peak_split
 from bench.method import load
 from bench.job import Job
 
@@ -218,9 +218,11 @@ class _Simulation:
 
     Under FSDP2 (`job.sharding` fsdp) the model is rank 0 of `job.world_size` as a
     simulated sharded memory job has it (`bench.measure.sharded`): sharded once, in a fake
-    process group that stays the default group until another is made (`close` ends it)."""
+    process group that stays the default group until another is made (`close` ends it).
+    `labelled`: the traces say each storage's category (`MemoryTracker(labelled=True)`), and
+    where the warm-up's trace ends, as ("mark", "warm-up")."""
 
-    def __init__(self, job: Job, unit: int, cost: bool = True, mesh=None):
+    def __init__(self, job: Job, unit: int, cost: bool = True, mesh=None, labelled: bool = False):
         self.job = job
         self.cost = cost
         self.method = load(job.method, job.hparams)
@@ -243,7 +245,7 @@ class _Simulation:
             self.tracker = sharded.ShardedTracker(events=self.events)
             self.tracker.watch(self.model)
         else:
-            self.tracker = MemoryTracker(events=self.events)
+            self.tracker = MemoryTracker(events=self.events, labelled=labelled)
         self.n_params = models.n_params(self.model)
         self.tracker.register_model(self.model)
         batch = self._batch(unit)
@@ -270,9 +272,11 @@ class _Simulation:
         # the state the warm-up left, then what is no longer or newly alive (by serial: a
         # storage at an address the warm-up's used is another storage)
         live = self._live()
-        trace = (self.prefix + [("free", k) for k, (serial, _) in self.prefix_live.items()
-                                if live.get(k, (None,))[0] != serial]
-                 + [("alloc", k, n) for k, (serial, n) in live.items()
+        labelled = self.tracker.labelled
+        trace = (self.prefix + [("mark", "warm-up")] * labelled
+                 + [("free", k) for k, (serial, _) in self.prefix_live.items()
+                    if live.get(k, (None,))[0] != serial]
+                 + [("alloc", k, n, *[self.tracker.category(k)] * labelled) for k, (serial, n) in live.items()
                     if self.prefix_live.get(k, (None,))[0] != serial])
         mark = len(self.events)
         self.tracker.register_model(self.model)  # the grad hooks, removed on each exit
@@ -306,20 +310,30 @@ class _Simulation:
 
 
 class _Deep:
-    """A simulated search (one GPU, or rank 0 under FSDP2; no cost kept) that runs the
-    model at its full depth once: the steps at other batches are read from a shallow copy
-    of it (`bench.measure.trace_depth`). At the first batch the full model's step is run,
-    and so are copies of the model with `SHALLOW` blocks; if their traces are one periodic
-    trace and it gives the full model's trace at its depth byte for byte, each later batch
-    runs only the copy at `SHALLOW[1]` blocks and takes the full depth's trace from it, while
-    that copy's trace has the same events in the same places (once it has not, that batch
-    and every later one runs at full depth). A record read so has the trace's replay, no
-    split by category (as a record from the batch line, `Oracle._from_line`), and `depth`:
-    the shallow depth it was read from."""
+    """A simulated search (one GPU, or rank 0 under FSDP2; no cost kept) of a deep model
+    that reads its steps from shallow copies of it (`bench.measure.trace_depth`). At the first
+    batch, copies with `SHALLOW` blocks are run and give a rule for the trace at any depth.
+
+    On one GPU the rule must give the trace of a copy it did not learn from (`CHECK` blocks)
+    byte for byte; then the first batch's record is the full depth's trace read from the rule:
+    its replay, and its split by category at the peak (the copies' traces are labelled,
+    `tracker.peak_split`), with the parameter count and the host memory (offloading) on the
+    line through the copies' (which must hold at `CHECK`). Under FSDP2 (what sharding adds is
+    counted by a tracker of its own) the full model's step is run at the first batch instead,
+    for its record, and the rule must give its trace.
+
+    Each later batch runs only the copy at `SHALLOW[1]` blocks and takes the full depth's trace
+    from it where that copy's trace has the same events in the same places. A record so read
+    has the trace's replay, no split by category (as a record from the batch line,
+    `Oracle._from_line`), and `depth`: the shallow depth it was read from. A batch whose step
+    is not the rule's (chunks per batch, state that changes after the first step) learns a
+    rule anew from the copies at that batch, as the first did; where none is learned, that
+    batch and every later one runs at full depth."""
 
     SHALLOW = (3, 4, 5)
-    # a model of fewer blocks runs every batch at full depth: on it, three shallow copies
-    # (a warm-up and a step each) cost about what reading its later batches saves
+    CHECK = 6
+    # a model of fewer blocks runs every batch at full depth: on it, the shallow copies
+    # (a warm-up and a step each) cost about what reading its batches saves
     FROM_DEPTH = 16
 
     def __init__(self, job: Job, unit: int):
@@ -332,56 +346,117 @@ class _Deep:
             from bench.measure import sharded
 
             self.mesh = self.group.enter_context(sharded.fake_mesh(job.world_size))
-        self.full = _Simulation(job, unit, cost=False, mesh=self.mesh)
-        self.prefix, self.prefix_live = self.full.prefix, self.full.prefix_live
+        self.labelled = self.mesh is None
         self.depth = models.shape(job.model)[1]
+        self.full: _Simulation | None = None
         self.shallow: dict[int, _Simulation] = {}
+        self.prefix: list | None = None  # the warm-up's trace at full depth (as `_Simulation`'s)
+        self.prefix_live: dict | None = None
+        self.n_params: int | None = None
         # None: not tried yet; False: refused, or never tried for a method that plans each
         # batch shape anew (ROAM): its step at one batch says nothing of another's
-        self.rule: trace_depth.Depth | bool | None = False if self.full.method.plans_per_shape else None
+        self.rule: trace_depth.Depth | bool | None = (False if load(job.method, job.hparams).plans_per_shape
+                                                      else None)
 
     def _shallow(self, depth: int, batch: int) -> tuple[dict, list]:
         if depth not in self.shallow:
             self.shallow[depth] = _Simulation(replace(self.job, model=models.at_depth(self.job.model, depth)),
-                                              self.unit, cost=False, mesh=self.mesh)
+                                              self.unit, cost=False, mesh=self.mesh, labelled=self.labelled)
         return self.shallow[depth].measure(batch)
 
-    def _learn(self, batch: int, trace: list) -> trace_depth.Depth | bool:
-        try:
-            rule = trace_depth.Depth({d: self._shallow(d, batch)[1] for d in self.SHALLOW})
-        except Exception:  # noqa: BLE001 - a model that has no shallow copy runs at full depth
-            return False
-        return rule if rule.ok and rule.at(self.depth) == trace_depth.numbered(trace) else False
+    def _full(self, batch: int) -> tuple[dict, list]:
+        if self.full is None:
+            self.full = _Simulation(self.job, self.unit, cost=False, mesh=self.mesh)
+            self.prefix, self.prefix_live, self.n_params = self.full.prefix, self.full.prefix_live, self.full.n_params
+        return self.full.measure(batch)
 
     def measure(self, batch_size: int) -> tuple[dict, list]:
-        if self.rule is None:
-            record, trace = self.full.measure(batch_size)
-            if record["status"] == "ok":
-                self.rule = self._learn(batch_size, trace)
-                print(f"[{self.job.method} {self.job.model}] its step at batch {batch_size} is "
-                      + (f"periodic in its {self.depth} blocks: other batches are read from a copy of "
-                         f"{self.SHALLOW[1]} blocks" if self.rule else
-                         "not read from shallow copies: every batch runs at full depth"),
-                      file=sys.stderr, flush=True)
-            return record, trace
-        if self.rule:
-            record, shallow = self._shallow(self.SHALLOW[1], batch_size)
+        known, first = {}, self.rule is None
+        if self.rule:  # read from the copy of SHALLOW[1] blocks
+            known[self.SHALLOW[1]] = record, shallow = self._shallow(self.SHALLOW[1], batch_size)
             rule = self.rule.read(shallow) if record["status"] == "ok" else None
             if rule is not None:
-                trace = rule.at(self.depth)
+                trace = _unlabelled(rule.at(self.depth))
                 memory = {"tier": "simulated", **step.predict_gpu(trace, None)}
-                return {"status": "ok", "message": None, "n_params": self.full.n_params, "cost": None,
+                return {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
                         "depth": self.SHALLOW[1], "memory": memory}, trace
-            # a step whose events change with the batch or from step to step (chunks per
-            # batch, state that grows): the later batches run at full depth, none read
-            self.rule = False
-            print(f"[{self.job.method} {self.job.model}] its step at batch {batch_size} is not the rule's: "
-                  f"this and later batches run at full depth", file=sys.stderr, flush=True)
-        return self.full.measure(batch_size)
+        if self.rule is not False:
+            # the first batch, or a step whose events are not the rule's (chunks per batch,
+            # state that changes after the first step): a rule learned at this batch
+            read = self._learn(batch_size, known)
+            said = (f"periodic in its {self.depth} blocks: read from copies of {self.SHALLOW[0]}-"
+                    f"{self.SHALLOW[-1]} blocks, checked on "
+                    + (f"one of {self.CHECK}" if self.labelled else "the full model's step")
+                    + f"; later batches from a copy of {self.SHALLOW[1]} blocks" if self.rule else
+                    "not read from shallow copies: this and later batches run at full depth")
+            print(f"[{self.job.method} {self.job.model}] its step at batch {batch_size} is "
+                  + ("" if first else "not the last rule's; it is ") + said, file=sys.stderr, flush=True)
+            if read is not None:
+                return read
+        return self._full(batch_size)
+
+    def _learn(self, batch: int, known: dict) -> tuple[dict, list] | None:
+        """A rule from the copies at `batch` (`rule`: it, or False), and the record and trace
+        at `batch` read from it (or, under FSDP2, the full model's; None where neither)."""
+        self.rule = False
+        try:
+            records = {d: known.get(d) or self._shallow(d, batch) for d in self.SHALLOW}
+            if any(r["status"] != "ok" for r, _ in records.values()):
+                return None
+            rule = trace_depth.Depth({d: trace for d, (_, trace) in records.items()})
+            if not rule.ok:
+                return None
+            if not self.labelled:  # FSDP2: the full model's step is the record
+                record, trace = full = self._full(batch)
+                if record["status"] == "ok" and rule.at(self.depth) == trace_depth.numbered(trace):
+                    self.rule = rule
+                return full
+            records[self.CHECK] = self._shallow(self.CHECK, batch)
+            if records[self.CHECK][0]["status"] != "ok" or rule.at(self.CHECK) != trace_depth.numbered(
+                    records[self.CHECK][1]):
+                return None
+        except Exception:  # noqa: BLE001 - a model that has no shallow copy runs at full depth
+            return None
+        # what grows by the same amount with each block: read on the line through the copies
+        on_line = {}
+        for name, value in (("n_params", lambda r: r["n_params"]),
+                            ("host_peak_bytes", lambda r: r["memory"].get("host_peak_bytes", 0)),
+                            ("transfer_bytes", lambda r: r["memory"].get("transfer_bytes", 0))):
+            y = {d: value(r) for d, (r, _) in records.items()}
+            a, rise = y[self.SHALLOW[0]], y[self.SHALLOW[1]] - y[self.SHALLOW[0]]
+            if any(y[d] != a + rise * (d - self.SHALLOW[0]) for d in y):
+                return None
+            on_line[name] = a + rise * (self.depth - self.SHALLOW[0])
+        labelled = rule.at(self.depth)
+        self.rule, self.n_params = rule, on_line.pop("n_params")
+        trace = _unlabelled(labelled)
+        if self.prefix is None:
+            self.prefix = _unlabelled(labelled[:labelled.index(("mark", "warm-up"))])
+            self.prefix_live = {n: (n, size) for n, size in _live(self.prefix).items()}
+        memory = {"tier": "simulated", **peak_split(labelled).as_row(), **step.predict_gpu(trace, None),
+                  **on_line}
+        return {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
+                "depth": f"{self.SHALLOW[0]}-{self.CHECK}", "memory": memory}, trace
 
     def close(self) -> None:
         """End the fake process group (under FSDP2)."""
         self.group.close()
+
+
+def _live(trace: list) -> dict:
+    """Allocation key -> bytes, for what is alive at the trace's end."""
+    live = {}
+    for event in trace:
+        if event[0] == "alloc":
+            live[event[1]] = event[2]
+        else:
+            live.pop(event[1], None)
+    return live
+
+
+def _unlabelled(trace: list) -> list:
+    """A labelled trace as the allocator model and the batch line read it: allocations and frees."""
+    return [e[:3] for e in trace if e[0] in ("alloc", "free")]
 
 
 class _ZeroRuns:
@@ -497,7 +572,9 @@ class Oracle:
             if record.get("line"):
                 said += f" (not run: on the line through batches {', '.join(map(str, record['line']))})"
             elif record.get("depth"):
-                said += f" (read from the copy of {record['depth']} blocks)"
+                depth = record["depth"]
+                said += (f" (read from the copy of {depth} blocks)" if isinstance(depth, int)
+                         else f" (read from copies of {depth} blocks)")
         now = time.perf_counter()
         print(f"{self.log_prefix} batch {batch} -> {said} ({now - self._started:.1f} s)",
               file=sys.stderr, flush=True)

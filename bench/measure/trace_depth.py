@@ -31,33 +31,31 @@ from __future__ import annotations
 
 import copy
 
-from bench.measure.trace_line import _ALLOC, _UNKNOWN, rebuilt, shape_and_sizes
 
 
-def _tokens(shape: tuple, sizes: list[int]) -> list[tuple]:
-    """Per event: ("a", bytes), ("f", bytes of what it frees) or ("u",) (a free of a storage
-    the trace never allocated): what two traces must share to be the same run of events."""
-    out, n = [], 0
-    for op in shape:
-        if op == _ALLOC:
-            out.append(("a", sizes[n]))
-            n += 1
-        else:
-            out.append(("u",) if op == _UNKNOWN else ("f", sizes[op]))
-    return out
-
-
-def _distances(shape: tuple) -> list[int | None]:
-    """Per event: for a free, the events between it and the allocation it ends (None for an
-    allocation or an unknown free)."""
-    where, out = [], []
-    for e, op in enumerate(shape):
-        if op == _ALLOC:
+def _parse(trace: list) -> tuple[list[tuple], list[int | None]]:
+    """Per event, its token, what two traces must share to be the same run of events:
+    ("a", bytes[, category]) for an allocation, ("f", bytes of what it frees), ("l", category,
+    bytes of what it labels) in a labelled trace (`MemoryTracker(labelled=True)`), ("m", name)
+    for a mark, ("u",) for a free or a label of a storage the trace never allocated; and per
+    event its distance: for a free or a label, the events between it and the allocation it
+    names (else None)."""
+    tokens, distances, number, sizes, where = [], [], {}, [], []
+    for e, event in enumerate(trace):
+        kind, ref = event[0], None
+        if kind == "alloc":
+            number[event[1]] = len(sizes)
+            sizes.append(event[2])
             where.append(e)
-            out.append(None)
+            tokens.append(("a", *event[2:]))
+        elif kind == "mark":
+            tokens.append(("m", event[1]))
         else:
-            out.append(None if op == _UNKNOWN else e - where[op])
-    return out
+            ref = number.pop(event[1], None) if kind == "free" else number.get(event[1])
+            tokens.append(("u",) if ref is None else ("f", sizes[ref]) if kind == "free"
+                          else ("l", event[2], sizes[ref]))
+        distances.append(None if ref is None else e - where[ref])
+    return tokens, distances
 
 
 class Depth:
@@ -67,8 +65,8 @@ class Depth:
     def __init__(self, traces: dict[int, list]):
         self.a = min(traces)
         depths = sorted(traces)
-        shapes = [shape_and_sizes(traces[d]) for d in depths]
-        tokens = [_tokens(*t) for t in shapes]
+        parsed = [_parse(traces[d]) for d in depths]
+        tokens = [t for t, _ in parsed]
         self.ok = False
         self.base = tokens[0]
         self.units: list[tuple[int, list]] = []  # (point in the shallow trace, unit's tokens)
@@ -78,18 +76,18 @@ class Depth:
         inserts = _inserts(tokens[0], tokens[1])
         if not inserts:
             return
-        candidates = _candidates(tokens[0], _distances(shapes[0][0]), inserts)
+        candidates = _candidates(tokens[0], parsed[0][1], inserts)
         self.units = [c[0] for c in candidates]
         if any([t for _, t in self._layout(k)] != tokens[k] for k in (1, 2)):
             return
-        distances = [_distances(shape) for shape, _ in shapes]
+        distances = [d for _, d in parsed]
         tried = [0] * len(candidates)
         for _ in range(_ATTEMPTS):
             self.units = [c[n] for c, n in zip(candidates, tried)]
             rules, wrong = self._rules(distances)
             if not wrong:
                 self.rules = rules
-                self.ok = all(self.at(d) == rebuilt(*shape) for d, shape in zip(depths, shapes))
+                self.ok = all(self.at(d) == numbered(traces[d]) for d in depths)
                 return
             # the next candidate point of each unit a wrong rule sits in or next to
             stuck = True
@@ -132,8 +130,7 @@ class Depth:
         if that step is not this rule's at a + 1 with other sizes: the same events in the same
         places, each free ending the allocation the rule says."""
         layout = self._layout(1)
-        shape, sizes = shape_and_sizes(trace)
-        tokens = _tokens(shape, sizes)
+        tokens = _parse(trace)[0]
         if len(tokens) != len(layout) or any(t[0] != u[0] for (_, u), t in zip(layout, tokens)):
             return None
         other = copy.copy(self)  # the same rules and points, other sizes
@@ -145,26 +142,33 @@ class Depth:
             else:
                 units[where[1]][where[2]] = token
         other.units = [(p, unit) for (p, _), unit in zip(self.units, units)]
-        return other if other.at(self.a + 1) == rebuilt(shape, sizes) else None
+        return other if other.at(self.a + 1) == numbered(trace) else None
 
     def at(self, depth: int) -> list | None:
         """The trace at `depth` (at least a; keys: allocation numbers), or None where a free's
-        distance does not land on a live allocation of its size."""
+        or a label's distance does not land on a live allocation of its size."""
         k = depth - self.a
         if k < 0 or not self.rules:
             return None
         trace, number, alive = [], {}, {}  # event -> allocation number; live number -> bytes
         for e, (where, token) in enumerate(self._layout(k)):
-            if token[0] == "a":
+            kind = token[0]
+            if kind == "a":
                 number[e] = len(number)
                 alive[number[e]] = token[1]
-                trace.append(("alloc", number[e], token[1]))
-            elif token[0] == "f":
+                trace.append(("alloc", number[e], *token[1:]))
+            elif kind == "m":
+                trace.append(("mark", token[1]))
+            elif kind != "u":
                 alpha, beta, gamma = self.rules[where[:2] if where[0] == "b" else where[:3]]
                 n = number.get(e - (alpha + beta * (where[3] if where[0] == "u" else 0) + gamma * k))
-                if n is None or alive.pop(n, None) != token[1]:
+                if n is None or alive.get(n) != token[-1]:
                     return None
-                trace.append(("free", n))
+                if kind == "f":
+                    del alive[n]
+                    trace.append(("free", n))
+                else:
+                    trace.append(("label", n, token[1]))
         return trace
 
 
@@ -188,8 +192,20 @@ def _fit(points: list) -> tuple | None | bool:
 
 
 def numbered(trace: list) -> list:
-    """A trace with its keys replaced by allocation numbers, as `Depth.at` writes it."""
-    return rebuilt(*shape_and_sizes(trace))
+    """A trace with its keys replaced by allocation numbers, as `Depth.at` writes it (a free or
+    a label of a storage it never allocated left out: the allocator model ignores them)."""
+    out, number, count = [], {}, 0
+    for event in trace:
+        if event[0] == "alloc":
+            number[event[1]], count = count, count + 1
+            out.append(("alloc", number[event[1]], *event[2:]))
+        elif event[0] == "mark":
+            out.append(event)
+        else:
+            n = number.pop(event[1], None) if event[0] == "free" else number.get(event[1])
+            if n is not None:
+                out.append(("free", n) if event[0] == "free" else ("label", n, event[2]))
+    return out
 
 
 _LOOKAHEAD = 64  # tokens two traces must go on alike after a unit to prefer it

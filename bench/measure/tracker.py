@@ -75,6 +75,34 @@ class MemorySplit:
         return row
 
 
+def peak_split(events: list) -> MemorySplit:
+    """The split at the peak as `MemoryTracker` keeps it, from its labelled events
+    (`labelled=True`): the live bytes per category replayed event by event, the peak counted
+    from the last ("mark", "peak") on (the first allocation that exceeds it makes it)."""
+    totals, live, current, peak = dict.fromkeys(CATEGORIES, 0), {}, 0, None
+    split = MemorySplit()
+    for event in events:
+        if event[0] == "alloc":
+            live[event[1]] = [event[2], event[3]]
+            totals[event[3]] += event[2]
+            current += event[2]
+            if peak is not None and current > peak:
+                peak, split = current, MemorySplit(**totals)
+        elif event[0] == "free":
+            entry = live.pop(event[1], None)
+            if entry is not None:
+                totals[entry[1]] -= entry[0]
+                current -= entry[0]
+        elif event[0] == "label":
+            entry = live[event[1]]
+            totals[entry[1]] -= entry[0]
+            totals[event[2]] += entry[0]
+            entry[1] = event[2]
+        elif event == ("mark", "peak"):
+            peak, split = current, MemorySplit(**totals)
+    return split
+
+
 class HostLedger:
     """Host memory a method keeps deliberately, as PyTorch's pinned-memory allocator holds it
     (`CachingHostAllocator`, aten/src/ATen/core/CachingHostAllocator.h): each request is a
@@ -122,11 +150,15 @@ class MemoryTracker(TorchDispatchMode, Tracker):
     """
 
     def __init__(self, capacity_bytes: int | None = None, round_to: int = 1,
-                 events: list | None = None, device: str = "cpu"):
+                 events: list | None = None, device: str = "cpu", labelled: bool = False):
         super().__init__()
         self.capacity_bytes = capacity_bytes
         self.round_to = round_to
         self.events = events  # if a list: ("alloc", key, nbytes) and ("free", key), in order
+        # `labelled`: the events also say each storage's category (`peak_split`): an
+        # allocation's as a fourth field, each change after it as ("label", key, category),
+        # and where the peak starts anew as ("mark", "peak")
+        self.labelled = labelled and events is not None
         self.device_is_cpu = torch.device(device).type == "cpu"
         self.host = HostLedger()
         self.transfer_bytes = 0
@@ -157,7 +189,7 @@ class MemoryTracker(TorchDispatchMode, Tracker):
         entry = self._live.get(key)
         if entry is not None:
             if relabel and (pinned or not entry[2]):
-                self._relabel(entry, category)
+                self._relabel(key, entry, category)
                 entry[2] = entry[2] or pinned
             return
         if key in self.host.live:  # host memory stays host memory, whatever its label
@@ -174,7 +206,8 @@ class MemoryTracker(TorchDispatchMode, Tracker):
         self._totals[category] += size
         self.current += size
         if self.events is not None:
-            self.events.append(("alloc", key, storage.nbytes()))
+            self.events.append(("alloc", key, storage.nbytes(), category) if self.labelled
+                               else ("alloc", key, storage.nbytes()))
         weakref.finalize(storage, self._free, key)
         if self.current > self.peak:
             self.peak = self.current
@@ -184,9 +217,11 @@ class MemoryTracker(TorchDispatchMode, Tracker):
                 f"live tensors need {self.current:,} bytes, over the capacity of "
                 f"{self.capacity_bytes:,} bytes")
 
-    def _relabel(self, entry: list, category: str) -> None:
+    def _relabel(self, key: int, entry: list, category: str) -> None:
         self._totals[entry[1]] -= entry[0]
         self._totals[category] += entry[0]
+        if self.labelled and category != entry[1]:
+            self.events.append(("label", key, category))
         entry[1] = category
 
     def _free(self, key: int) -> None:
@@ -240,9 +275,10 @@ class MemoryTracker(TorchDispatchMode, Tracker):
             self.label([param.grad], "grad")
 
     def _on_save(self, tensor: torch.Tensor):
-        entry = self._live.get(tensor.untyped_storage()._cdata)
+        key = tensor.untyped_storage()._cdata
+        entry = self._live.get(key)
         if entry is not None and entry[1] == "other" and not entry[2]:
-            self._relabel(entry, "activation")
+            self._relabel(key, entry, "activation")
         # detached: the same storage without the autograd history (autograd restores it on
         # unpack). Holding `tensor` itself would keep an op's saved output and its graph in
         # a reference cycle when that graph never runs backward (DoRA's detached norm), so
@@ -261,12 +297,18 @@ class MemoryTracker(TorchDispatchMode, Tracker):
         a storage from an earlier one at the same address."""
         return {key: (entry[3], entry[0]) for key, entry in self._live.items()}
 
+    def category(self, key: int) -> str:
+        """The category of the live storage `key`."""
+        return self._live[key][1]
+
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (e.g. after a warm-up step), and count
         transfers from zero; the host ledger's high-water mark stays."""
         self.transfer_bytes = 0
         self.peak = self.current
         self.peak_split = MemorySplit(**self._totals)
+        if self.labelled:
+            self.events.append(("mark", "peak"))
 
     def live_split(self) -> MemorySplit:
         return MemorySplit(**self._totals)

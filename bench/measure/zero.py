@@ -191,12 +191,10 @@ class TimelineTracker(MemoryTracker):
             self._index[key] = len(self.events) - 1
             self.labels[len(self.events) - 1] = self._live[key][1]
 
-    def _relabel(self, entry, category):
-        super()._relabel(entry, category)
-        for key, live in self._live.items():
-            if live is entry and key in self._index:
-                self.labels[self._index[key]] = category
-                break
+    def _relabel(self, key, entry, category):
+        super()._relabel(key, entry, category)
+        if key in self._index:
+            self.labels[self._index[key]] = category
 
     def register_model(self, model):
         super().register_model(model)

@@ -10,6 +10,7 @@ from bench import fit, models
 from bench.job import Job
 from bench.measure import allocator, capacity
 from bench.measure.trace_depth import Depth, numbered
+from bench.measure.tracker import peak_split
 
 
 def toy_step(layers: int, batch: int = 1, bucket: int | None = None) -> list:
@@ -88,6 +89,55 @@ def test_a_step_not_periodic_in_depth_is_refused_or_caught_where_it_is_used():
     assert not depth.ok or any(depth.at(n) != numbered(toy_step(n, bucket=2)) for n in range(6, 13))
 
 
+def labelled(events: list) -> list:
+    """A toy trace labelled as a tracker labels one: the first weights `param`, the rest
+    `other` when made, and what a block saves (sizes of 200 bytes a sequence) relabelled
+    `activation` at once; the step's peak counted from after the first weights."""
+    out = []
+    for e, event in enumerate(events):
+        out.append((*event, "param" if e < 4 else "other") if event[0] == "alloc" else event)
+        if e == 3:
+            out.append(("mark", "peak"))
+        if event[0] == "alloc" and event[2] % 200 == 0:
+            out.append(("label", event[1], "activation"))
+    return out
+
+
+def test_labels_and_marks_follow_the_depth_like_frees():
+    depth = Depth({n: labelled(toy_step(n)) for n in (3, 4, 5)})
+    assert depth.ok
+    for layers in (6, 32):
+        deep = depth.at(layers)
+        assert deep == numbered(labelled(toy_step(layers)))
+        assert peak_split(deep) == peak_split(labelled(toy_step(layers)))
+    other = depth.read(labelled(toy_step(4, batch=3)))
+    assert other is not None and other.at(32) == numbered(labelled(toy_step(32, batch=3)))
+
+
+def test_the_peak_split_of_labelled_events_by_hand():
+    events = [("alloc", 1, 100, "param"), ("mark", "peak"), ("alloc", 2, 40, "other"),
+              ("label", 2, "activation"), ("alloc", 3, 30, "other"), ("free", 3), ("free", 2),
+              ("alloc", 4, 60, "other"), ("label", 4, "grad"), ("alloc", 5, 10, "other")]
+    # 100 + 40 + 30 at the third allocation; 100 + 60 + 10 at the last ties it: the first stays
+    split = peak_split(events)
+    assert (split.param, split.activation, split.grad, split.other, split.peak_bytes) == (100, 40, 0, 30, 170)
+    split = peak_split(events + [("alloc", 6, 5, "other")])
+    assert (split.param, split.activation, split.grad, split.other, split.peak_bytes) == (100, 0, 60, 15, 175)
+    # counted from the mark: before it, nothing is a peak
+    assert peak_split([("alloc", 1, 500, "other"), ("free", 1), ("mark", "peak")]).peak_bytes == 0
+
+
+@pytest.mark.parametrize("method", ["adamw", "checkpointing", "offload_activations", "lora"])
+def test_the_peak_split_of_a_labelled_trace_is_the_trackers(method):
+    """The split at the peak replayed from a step's labelled events is the tracker's own."""
+    job = Job(kind="memory", method=method, model="llama-d64-l2-v256", batch_size=4, seq_len=32,
+              dtype="bfloat16", simulate=True)
+    sim = capacity._Simulation(job, 1, cost=False, labelled=True)
+    for batch in (4, 8):
+        record, trace = sim.measure(batch)
+        assert peak_split(trace).as_row() == {k: record["memory"][k] for k in peak_split(trace).as_row()}
+
+
 def test_consecutive_depths_are_needed():
     with pytest.raises(ValueError, match="three consecutive"):
         Depth({3: toy_step(3), 5: toy_step(5), 6: toy_step(6)})
@@ -119,6 +169,20 @@ def test_a_deep_models_trace_from_shallow_copies_is_the_full_ones():
     assert other is not None and other.at(8) == numbered(full.measure(24)[1])
 
 
+@pytest.mark.parametrize("method", ["adamw", "offload_activations"])
+def test_fit_rows_read_from_shallow_copies_are_the_full_depths_in_every_field(method, monkeypatch, capsys):
+    """The first batch's split by category, parameter count and host memory, read from the
+    copies, and the search's answers: the same as with every batch run at full depth."""
+    def rows(from_depth: int) -> list[dict]:
+        monkeypatch.setattr(capacity._Deep, "FROM_DEPTH", from_depth)
+        return fit.answer(model=DEEP, method=method, memory_gb=[0.3, 1.0], batch_size=8, seq_len=32,
+                          dtype="bfloat16", max_batch=256)
+
+    read = rows(8)
+    assert "read from shallow copies: batch 8," in capsys.readouterr().err  # the first batch too
+    assert read == rows(9) and read[0]["status"] == "ok"
+
+
 # fit's answer for lomo on DEEP at 0.52 GiB with every batch run at full depth (computed so,
 # with `_Deep.FROM_DEPTH` above the model's depth): fits, largest batch, GPU bytes predicted,
 # peak bytes, GPU bytes predicted at the largest batch
@@ -131,6 +195,6 @@ def test_fit_answers_the_same_from_shallow_copies_as_at_full_depth(world_size, s
     monkeypatch.setattr(capacity._Deep, "FROM_DEPTH", 8)  # this model's depth: read from shallow copies
     [row] = fit.answer(model=DEEP, method="lomo", memory_gb=[0.52], batch_size=8, seq_len=32, dtype="bfloat16",
                        max_batch=512, world_size=world_size, sharding=sharding)
-    assert "read from a shallow copy: batch" in capsys.readouterr().err
+    assert "read from shallow copies: batch" in capsys.readouterr().err
     assert (row["fits"], row["largest_batch"], row["predicted_gpu_bytes"], row["peak_bytes"],
             row["predicted_gpu_bytes_at_largest"]) == HELD[world_size, sharding]
