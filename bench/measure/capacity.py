@@ -242,7 +242,7 @@ class _Simulation:
             with self.fake:
                 sharded.shard(self.model, mesh)
                 self.model._get_fsdp_state()._lazy_init()  # before tracking, as in a sharded memory job
-            self.tracker = sharded.ShardedTracker(events=self.events)
+            self.tracker = sharded.ShardedTracker(events=self.events, labelled=labelled)
             self.tracker.watch(self.model)
         else:
             self.tracker = MemoryTracker(events=self.events, labelled=labelled)
@@ -276,8 +276,9 @@ class _Simulation:
         trace = (self.prefix + [("mark", "warm-up")] * labelled
                  + [("free", k) for k, (serial, _) in self.prefix_live.items()
                     if live.get(k, (None,))[0] != serial]
-                 + [("alloc", k, n, *[self.tracker.category(k)] * labelled) for k, (serial, n) in live.items()
-                    if self.prefix_live.get(k, (None,))[0] != serial])
+                 + [event for k, (serial, n) in live.items() if self.prefix_live.get(k, (None,))[0] != serial
+                    for event in ([("alloc", k, n, self.tracker.category(k)), *self.tracker.described(k)]
+                                  if labelled else [("alloc", k, n)])])
         mark = len(self.events)
         self.tracker.register_model(self.model)  # the grad hooks, removed on each exit
         batch = self._batch(batch_size)  # made outside fake mode: real tokens, then faked
@@ -346,7 +347,6 @@ class _Deep:
             from bench.measure import sharded
 
             self.mesh = self.group.enter_context(sharded.fake_mesh(job.world_size))
-        self.labelled = self.mesh is None
         self.depth = models.shape(job.model)[1]
         self.full: _Simulation | None = None
         self.shallow: dict[int, _Simulation] = {}
@@ -361,7 +361,7 @@ class _Deep:
     def _shallow(self, depth: int, batch: int) -> tuple[dict, list]:
         if depth not in self.shallow:
             self.shallow[depth] = _Simulation(replace(self.job, model=models.at_depth(self.job.model, depth)),
-                                              self.unit, cost=False, mesh=self.mesh, labelled=self.labelled)
+                                              self.unit, cost=False, mesh=self.mesh, labelled=True)
         return self.shallow[depth].measure(batch)
 
     def _full(self, batch: int) -> tuple[dict, list]:
@@ -385,9 +385,8 @@ class _Deep:
             # state that changes after the first step): a rule learned at this batch
             read = self._learn(batch_size, known)
             said = (f"periodic in its {self.depth} blocks: read from copies of {self.SHALLOW[0]}-"
-                    f"{self.SHALLOW[-1]} blocks, checked on "
-                    + (f"one of {self.CHECK}" if self.labelled else "the full model's step")
-                    + f"; later batches from a copy of {self.SHALLOW[1]} blocks" if self.rule else
+                    f"{self.SHALLOW[-1]} blocks, checked on one of {self.CHECK}; later batches from a "
+                    f"copy of {self.SHALLOW[1]} blocks" if self.rule else
                     "not read from shallow copies: this and later batches run at full depth")
             print(f"[{self.job.method} {self.job.model}] its step at batch {batch_size} is "
                   + ("" if first else "not the last rule's; it is ") + said, file=sys.stderr, flush=True)
@@ -397,7 +396,7 @@ class _Deep:
 
     def _learn(self, batch: int, known: dict) -> tuple[dict, list] | None:
         """A rule from the copies at `batch` (`rule`: it, or False), and the record and trace
-        at `batch` read from it (or, under FSDP2, the full model's; None where neither)."""
+        at `batch` read from it (None where there is no rule)."""
         self.rule = False
         try:
             records = {d: known.get(d) or self._shallow(d, batch) for d in self.SHALLOW}
@@ -406,11 +405,6 @@ class _Deep:
             rule = trace_depth.Depth({d: trace for d, (_, trace) in records.items()})
             if not rule.ok:
                 return None
-            if not self.labelled:  # FSDP2: the full model's step is the record
-                record, trace = full = self._full(batch)
-                if record["status"] == "ok" and rule.at(self.depth) == trace_depth.numbered(trace):
-                    self.rule = rule
-                return full
             records[self.CHECK] = self._shallow(self.CHECK, batch)
             if records[self.CHECK][0]["status"] != "ok" or rule.at(self.CHECK) != trace_depth.numbered(
                     records[self.CHECK][1]):
@@ -435,8 +429,14 @@ class _Deep:
             self.prefix_live = {n: (n, size) for n, size in _live(self.prefix).items()}
         memory = {"tier": "simulated", **peak_split(labelled).as_row(), **step.predict_gpu(trace, None),
                   **on_line}
-        return {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
-                "depth": f"{self.SHALLOW[0]}-{self.CHECK}", "memory": memory}, trace
+        record = {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
+                  "depth": f"{self.SHALLOW[0]}-{self.CHECK}", "memory": memory}
+        if self.mesh is not None:  # what sharding adds at the peak (inside `other`)
+            from bench.measure import sharded
+
+            parts = sharded.sharding_at_peak(labelled)
+            record["sharding"] = {**parts, "bytes": sum(parts.values())}
+        return record, trace
 
     def close(self) -> None:
         """End the fake process group (under FSDP2)."""

@@ -35,9 +35,10 @@ import copy
 
 def _parse(trace: list) -> tuple[list[tuple], list[int | None]]:
     """Per event, its token, what two traces must share to be the same run of events:
-    ("a", bytes[, category]) for an allocation, ("f", bytes of what it frees), ("l", category,
-    bytes of what it labels) in a labelled trace (`MemoryTracker(labelled=True)`), ("m", name)
-    for a mark, ("u",) for a free or a label of a storage the trace never allocated; and per
+    ("a", bytes[, category]) for an allocation, ("f", bytes of what it frees), ("l", kind, what,
+    bytes of what it labels) for a label in a labelled trace (`MemoryTracker(labelled=True)`:
+    a ("label", key, category), or a sharded tracker's ("part", key, part)), ("m", name) for a
+    mark, ("u",) for a free or a label of a storage the trace never allocated; and per
     event its distance: for a free or a label, the events between it and the allocation it
     names (else None)."""
     tokens, distances, number, sizes, where = [], [], {}, [], []
@@ -53,7 +54,7 @@ def _parse(trace: list) -> tuple[list[tuple], list[int | None]]:
         else:
             ref = number.pop(event[1], None) if kind == "free" else number.get(event[1])
             tokens.append(("u",) if ref is None else ("f", sizes[ref]) if kind == "free"
-                          else ("l", event[2], sizes[ref]))
+                          else ("l", kind, event[2], sizes[ref]))
         distances.append(None if ref is None else e - where[ref])
     return tokens, distances
 
@@ -168,7 +169,7 @@ class Depth:
                     del alive[n]
                     trace.append(("free", n))
                 else:
-                    trace.append(("label", n, token[1]))
+                    trace.append((token[1], n, token[2]))
         return trace
 
 
@@ -204,7 +205,7 @@ def numbered(trace: list) -> list:
         else:
             n = number.pop(event[1], None) if event[0] == "free" else number.get(event[1])
             if n is not None:
-                out.append(("free", n) if event[0] == "free" else ("label", n, event[2]))
+                out.append((event[0], n, *event[2:]))
     return out
 
 

@@ -93,7 +93,7 @@ def peak_split(events: list) -> MemorySplit:
             if entry is not None:
                 totals[entry[1]] -= entry[0]
                 current -= entry[0]
-        elif event[0] == "label":
+        elif event[0] == "label" and event[1] in live:  # (not a storage resized to nothing)
             entry = live[event[1]]
             totals[entry[1]] -= entry[0]
             totals[event[2]] += entry[0]
@@ -300,6 +300,11 @@ class MemoryTracker(TorchDispatchMode, Tracker):
     def category(self, key: int) -> str:
         """The category of the live storage `key`."""
         return self._live[key][1]
+
+    def described(self, key: int) -> list:
+        """The labelled events, after its allocation, that say what the live storage `key` is
+        now beside its category (none here; a sharded tracker's part)."""
+        return []
 
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (e.g. after a warm-up step), and count
