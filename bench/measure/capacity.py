@@ -315,13 +315,12 @@ class _Deep:
     that reads its steps from shallow copies of it (`bench.measure.trace_depth`). At the first
     batch, copies with `SHALLOW` blocks are run and give a rule for the trace at any depth.
 
-    On one GPU the rule must give the trace of a copy it did not learn from (`CHECK` blocks)
-    byte for byte; then the first batch's record is the full depth's trace read from the rule:
-    its replay, and its split by category at the peak (the copies' traces are labelled,
-    `tracker.peak_split`), with the parameter count and the host memory (offloading) on the
-    line through the copies' (which must hold at `CHECK`). Under FSDP2 (what sharding adds is
-    counted by a tracker of its own) the full model's step is run at the first batch instead,
-    for its record, and the rule must give its trace.
+    The rule must give the trace of a copy it did not learn from (`CHECK` blocks) byte for
+    byte; then the first batch's record is the full depth's trace read from the rule: its
+    replay, and its split by category at the peak (the copies' traces are labelled,
+    `tracker.peak_split`; under FSDP2 what sharding adds there too, `sharded.sharding_at_peak`),
+    with the parameter count and the host memory (offloading) on the line through the copies'
+    (which must hold at `CHECK`). The full model is not run.
 
     Each later batch runs only the copy at `SHALLOW[1]` blocks and takes the full depth's trace
     from it where that copy's trace has the same events in the same places. A record so read

@@ -96,13 +96,17 @@ def test_simulation_accuracy_pairs_the_same_cell():
 @pytest.mark.parametrize("method", ["adamw", "grad_accum", "adama", "galore", "roam"])
 def test_one_fake_model_per_search_gives_a_memory_jobs_bytes(tiny_job, method):
     unit = 4 if method in ("grad_accum", "adama") else 1
+    # ROAM: a second of solver time per plan, as the quick suite gives it (a tiny graph's
+    # order is proven optimal within it)
+    hparams = {"time_limit": 1.0} if method == "roam" else {}
     sim = capacity._Simulation(tiny_job(kind="capacity", method=method, seq_len=64,
-                                        simulate=True), unit)
+                                        simulate=True, hparams=hparams), unit)
     alone = {}  # batch -> its memory job: batch 8 is measured twice, its memory job run once
     for batch in (8, 4 * unit, 8):
         record, trace = sim.measure(batch)
         if batch not in alone:
-            alone[batch] = runner.run(tiny_job(method=method, batch_size=batch, seq_len=64, simulate=True))
+            alone[batch] = runner.run(tiny_job(method=method, batch_size=batch, seq_len=64, simulate=True,
+                                               hparams=hparams))
         job = alone[batch]
         for key in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
                     "activation_bytes", "other_bytes"):
