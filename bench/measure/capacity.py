@@ -374,8 +374,9 @@ class _Deep:
         if self.rule:  # read from the copy of SHALLOW[1] blocks
             known[self.SHALLOW[1]] = record, shallow = self._shallow(self.SHALLOW[1], batch_size)
             rule = self.rule.read(shallow) if record["status"] == "ok" else None
-            if rule is not None:
-                trace = _unlabelled(rule.at(self.depth))
+            deep = rule.at(self.depth) if rule is not None else None
+            if deep is not None:
+                trace = _unlabelled(deep)
                 memory = {"tier": "simulated", **step.predict_gpu(trace, None)}
                 return {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
                         "depth": self.SHALLOW[1], "memory": memory}, trace
@@ -421,6 +422,8 @@ class _Deep:
                 return None
             on_line[name] = a + rise * (self.depth - self.SHALLOW[0])
         labelled = rule.at(self.depth)
+        if labelled is None:  # a free that lands on no allocation of its size
+            return None
         self.rule, self.n_params = rule, on_line.pop("n_params")
         trace = _unlabelled(labelled)
         if self.prefix is None:
