@@ -404,12 +404,12 @@ def answer_all(todo: list[dict], jobs: int = 1) -> list[dict]:
     try:
         with ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_start,
                                  initargs=(lines,)) as pool:
-            first = sorted(range(len(todo)), key=lambda i: not _plans_per_shape(todo[i]["method"]))
-            futures = dict(zip(first, (pool.submit(_answer_task, todo[i]) for i in first)))
+            futures = {i: pool.submit(_answer_task, todo[i])  # submitted in this order
+                       for i in sorted(range(len(todo)), key=lambda i: not _plans_per_shape(todo[i]["method"]))}
             rows = []
-            for task, future in zip(todo, (futures[i] for i in range(len(todo)))):
+            for i, task in enumerate(todo):
                 try:
-                    rows += future.result()
+                    rows += futures[i].result()
                 except Exception as e:  # noqa: BLE001 - a worker that died: its method's rows say so
                     base = {k: task[k] for k in ("model", "method", "batch_size", "seq_len", "dtype",
                                                  "precision")}

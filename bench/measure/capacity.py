@@ -40,7 +40,7 @@ from dataclasses import replace
 from bench import data, models
 from bench.measure import allocator, kinds, step, trace_depth, trace_line
 from bench.measure.cost import StepCost
-from bench.measure.tracker import MemoryTracker, cuda_kernels, peak_split
+from bench.measure.tracker import MemoryTracker, cuda_kernels, labelled_peak
 from bench.method import load
 from bench.job import Job
 
@@ -318,7 +318,7 @@ class _Deep:
     The rule must give the trace of a copy it did not learn from (`CHECK` blocks) byte for
     byte; then the first batch's record is the full depth's trace read from the rule: its
     replay, and its split by category at the peak (the copies' traces are labelled,
-    `tracker.peak_split`; under FSDP2 what sharding adds there too, `sharded.sharding_at_peak`),
+    `tracker.labelled_peak`; under FSDP2 what sharding adds there too),
     with the parameter count and the host memory (offloading) on the line through the copies'
     (which must hold at `CHECK`). The full model is not run.
 
@@ -428,15 +428,15 @@ class _Deep:
         trace = _unlabelled(labelled)
         if self.prefix is None:
             self.prefix = _unlabelled(labelled[:labelled.index(("mark", "warm-up"))])
-            self.prefix_live = {n: (n, size) for n, size in _live(self.prefix).items()}
-        memory = {"tier": "simulated", **peak_split(labelled).as_row(), **step.predict_gpu(trace, None),
-                  **on_line}
+            self.prefix_live = {n: (n, size) for n, size in _alive_at_end(self.prefix).items()}
+        split, by_part = labelled_peak(labelled)
+        memory = {"tier": "simulated", **split.as_row(), **step.predict_gpu(trace, None), **on_line}
         record = {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
                   "depth": f"{self.SHALLOW[0]}-{self.CHECK}", "memory": memory}
         if self.mesh is not None:  # what sharding adds at the peak (inside `other`)
             from bench.measure import sharded
 
-            parts = sharded.sharding_at_peak(labelled)
+            parts = {p: by_part.get(p, 0) for p in sharded.SHARDING_PARTS}
             record["sharding"] = {**parts, "bytes": sum(parts.values())}
         return record, trace
 
@@ -445,7 +445,7 @@ class _Deep:
         self.group.close()
 
 
-def _live(trace: list) -> dict:
+def _alive_at_end(trace: list) -> dict:
     """Allocation key -> bytes, for what is alive at the trace's end."""
     live = {}
     for event in trace:

@@ -86,45 +86,6 @@ from bench.method import Method
 SHARDING_PARTS = ("unsharded_param", "unsharded_grad", "comm")
 
 
-def sharding_at_peak(events: list) -> dict[str, int]:
-    """`ShardedTracker.sharding_at_peak` from its labelled events (`labelled=True`): the bytes
-    of each part that are still `other`, at the peak `tracker.peak_split` finds, as the
-    tracker counts them there (after a new storage's own part is set)."""
-    live, parts = {}, {}  # key -> [bytes, category]; key -> part
-    current, peak, pending = 0, None, None
-    at_peak = dict.fromkeys(SHARDING_PARTS, 0)
-
-    def now() -> dict[str, int]:
-        out = dict.fromkeys(SHARDING_PARTS, 0)
-        for key, part in parts.items():
-            entry = live.get(key)
-            if entry is not None and entry[1] == "other":
-                out[part] += entry[0]
-        return out
-
-    for event in events:
-        kind = event[0]
-        if pending is not None and not (kind == "part" and event[1] == pending):
-            at_peak, pending = now(), None
-        if kind == "alloc":
-            live[event[1]] = [event[2], event[3]]
-            current += event[2]
-            if peak is not None and current > peak:
-                peak, pending = current, event[1]
-        elif kind == "free":
-            entry = live.pop(event[1], None)
-            parts.pop(event[1], None)
-            if entry is not None:
-                current -= entry[0]
-        elif kind == "label" and event[1] in live:  # (not a storage resized to nothing)
-            live[event[1]][1] = event[2]
-        elif kind == "part":
-            parts[event[1]] = event[2]
-        elif event == ("mark", "peak"):
-            peak, at_peak = current, now()
-    return now() if pending is not None else at_peak
-
-
 # -- the sharding ------------------------------------------------------------------
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The model's transformer blocks: the members of every `nn.ModuleList` whose members
@@ -243,7 +204,7 @@ class ShardedTracker(MemoryTracker):
         return [("part", key, self._part[key])] if key in self._part else []
 
     def _set_part(self, key: int, part: str) -> None:
-        if self.labelled and self._part.get(key) != part:  # what `sharding_at_peak` replays
+        if self.labelled and self._part.get(key) != part:  # what `tracker.labelled_peak` replays
             self.events.append(("part", key, part))
         self._part[key] = part
 

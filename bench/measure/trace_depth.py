@@ -3,8 +3,8 @@ model's trace follows from shallow copies of it.
 
 A decoder's training step runs the same code once per block: the block's forward, its
 backward, the update of its parameters. Its allocation trace (`MemoryTracker` events, read
-as a *shape* and *sizes* as in `bench.measure.trace_line`) then grows with the depth by
-runs of copies: the trace one block deeper is the shallow one with one copy of each *unit*
+as one token per event, `_parse`) then grows with the depth by runs of copies: the trace
+one block deeper is the shallow one with one copy of each *unit*
 inserted at its *point* (in the run of that unit's copies), k blocks deeper with k copies.
 What an inserted free releases is read as its distance back (in events) to the allocation
 it ends: in a periodic trace that distance is the same for every copy, or grows by whole
@@ -30,7 +30,6 @@ ends).
 from __future__ import annotations
 
 import copy
-
 
 
 def _parse(trace: list) -> tuple[list[tuple], list[int | None]]:

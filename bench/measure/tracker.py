@@ -75,32 +75,51 @@ class MemorySplit:
         return row
 
 
-def peak_split(events: list) -> MemorySplit:
+def labelled_peak(events: list) -> tuple[MemorySplit, dict[str, int]]:
     """The split at the peak as `MemoryTracker` keeps it, from its labelled events
     (`labelled=True`): the live bytes per category replayed event by event, the peak counted
-    from the last ("mark", "peak") on (the first allocation that exceeds it makes it)."""
-    totals, live, current, peak = dict.fromkeys(CATEGORIES, 0), {}, 0, None
-    split = MemorySplit()
+    from the last ("mark", "peak") on (the first allocation that exceeds it makes it); and
+    at that peak, per part (a sharded tracker's ("part", key, part) events), the bytes of the
+    storages still `other`, as `ShardedTracker.sharding_at_peak` counts them (after a new
+    storage's own part is set)."""
+    totals, live, parts = dict.fromkeys(CATEGORIES, 0), {}, {}  # key -> [bytes, category]; key -> part
+    current, peak, pending = 0, None, None  # pending: the key of the allocation that made the peak
+    split, at_peak = MemorySplit(), {}
+
+    def other_by_part() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key, part in parts.items():
+            entry = live.get(key)
+            if entry is not None and entry[1] == "other":
+                out[part] = out.get(part, 0) + entry[0]
+        return out
+
     for event in events:
-        if event[0] == "alloc":
+        kind = event[0]
+        if pending is not None and not (kind == "part" and event[1] == pending):
+            at_peak, pending = other_by_part(), None
+        if kind == "alloc":
             live[event[1]] = [event[2], event[3]]
             totals[event[3]] += event[2]
             current += event[2]
             if peak is not None and current > peak:
-                peak, split = current, MemorySplit(**totals)
-        elif event[0] == "free":
+                peak, split, pending = current, MemorySplit(**totals), event[1]
+        elif kind == "free":
             entry = live.pop(event[1], None)
+            parts.pop(event[1], None)
             if entry is not None:
                 totals[entry[1]] -= entry[0]
                 current -= entry[0]
-        elif event[0] == "label" and event[1] in live:  # (not a storage resized to nothing)
+        elif kind == "label" and event[1] in live:  # (not a storage resized to nothing)
             entry = live[event[1]]
             totals[entry[1]] -= entry[0]
             totals[event[2]] += entry[0]
             entry[1] = event[2]
+        elif kind == "part":
+            parts[event[1]] = event[2]
         elif event == ("mark", "peak"):
-            peak, split = current, MemorySplit(**totals)
-    return split
+            peak, split, at_peak = current, MemorySplit(**totals), other_by_part()
+    return split, other_by_part() if pending is not None else at_peak
 
 
 class HostLedger:
@@ -155,7 +174,7 @@ class MemoryTracker(TorchDispatchMode, Tracker):
         self.capacity_bytes = capacity_bytes
         self.round_to = round_to
         self.events = events  # if a list: ("alloc", key, nbytes) and ("free", key), in order
-        # `labelled`: the events also say each storage's category (`peak_split`): an
+        # `labelled`: the events also say each storage's category (`labelled_peak`): an
         # allocation's as a fourth field, each change after it as ("label", key, category),
         # and where the peak starts anew as ("mark", "peak")
         self.labelled = labelled and events is not None

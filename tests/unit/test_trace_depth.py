@@ -10,7 +10,7 @@ from bench import fit, models
 from bench.job import Job
 from bench.measure import allocator, capacity, sharded
 from bench.measure.trace_depth import Depth, numbered
-from bench.measure.tracker import peak_split
+from bench.measure.tracker import labelled_peak
 
 
 def toy_step(layers: int, batch: int = 1, bucket: int | None = None) -> list:
@@ -89,6 +89,10 @@ def test_a_step_not_periodic_in_depth_is_refused_or_caught_where_it_is_used():
     assert not depth.ok or any(depth.at(n) != numbered(toy_step(n, bucket=2)) for n in range(6, 13))
 
 
+def peak_split(events: list):
+    return labelled_peak(events)[0]
+
+
 def labelled(events: list) -> list:
     """A toy trace labelled as a tracker labels one: the first weights `param`, the rest
     `other` when made, and what a block saves (sizes of 200 bytes a sequence) relabelled
@@ -150,7 +154,7 @@ def test_what_sharding_adds_at_the_peak_from_labelled_events_is_the_trackers(met
         for batch in (4, 8):
             record, trace = sim.measure(batch)
             assert peak_split(trace).as_row() == {k: record["memory"][k] for k in peak_split(trace).as_row()}
-            parts = sharded.sharding_at_peak(trace)
+            parts = {p: labelled_peak(trace)[1].get(p, 0) for p in sharded.SHARDING_PARTS}
             assert parts == {k: record["sharding"][k] for k in sharded.SHARDING_PARTS}
             assert parts["unsharded_param"]  # not a check of nothing
     finally:
