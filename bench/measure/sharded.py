@@ -8,7 +8,7 @@ transformer block (`blocks`), then on the root, on a one-dimensional device mesh
 Two tiers, one code path:
 
 - tracked: real tensors, under a gloo process group of `world_size` processes on this
-  machine (`run_ranks` spawns them with `torch.multiprocessing`, each measures its rank);
+  machine (`run_ranks` starts them from a fork server, each measures its rank);
 - simulated: fake tensors (`FakeTensorMode`) under the fake process group (backend
   "fake", `FakeStore`), one process standing for rank `rank` of any `world_size` (1 to
   1024): the real `fully_shard`, its real hooks and collectives, no data.
@@ -537,17 +537,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(job: Job, world_size: int, reference: bool = False, threads: int = 1) -> list[dict]:
-    """The tracked tier: `world_size` processes (`torch.multiprocessing`, spawned), a gloo
-    group on localhost, each measuring its rank (`measure_rank`); their results in rank
-    order. A failing rank fails the call with its traceback."""
+# What the rank processes' fork server imports once, before it forks them: torch, this
+# module, the models' and methods' code, transformers' model code (about 7 s of start-up on
+# a slow core that each spawned rank paid again, every job)
+PRELOAD = ["bench.measure.sharded", "bench.measure.step", "bench.method", "transformers.modeling_utils"]
+
+
+def start_ranks(main, args: tuple, world_size: int) -> None:
+    """Run `main(rank, *args)` in `world_size` processes and wait for them all (a failing
+    rank fails the call with its traceback). They are forked by `multiprocessing`'s fork
+    server, a fresh process that has imported PRELOAD and never run a tensor operation (so
+    no thread pool is forked), started once per process that asks."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    mp.start_processes(main, args=args, nprocs=world_size, join=True, start_method="forkserver")
+
+
+def run_ranks(job: Job, world_size: int, reference: bool = False, threads: int = 1) -> list[dict]:
+    """The tracked tier: `world_size` processes (`start_ranks`), a gloo group on localhost,
+    each measuring its rank (`measure_rank`); their results in rank order. A failing rank
+    fails the call with its traceback."""
     if job.simulate:
         raise ValueError("run_ranks runs real tensors: a simulated job is measured by measure_rank")
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_rank_main, args=(world_size, free_port(), job.to_dict(), folder, reference, threads),
-                 nprocs=world_size, join=True)
+        start_ranks(_rank_main, (world_size, free_port(), job.to_dict(), folder, reference, threads), world_size)
         results = []
         for rank in range(world_size):
             with open(os.path.join(folder, f"rank{rank}.pkl"), "rb") as f:
