@@ -53,12 +53,13 @@ the same bytes except stage 1/2's `grads_in_partition`, which is modelled per ra
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import os
 import pickle
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 import torch
 
@@ -328,9 +329,13 @@ def model_rank(tl: Timeline, cfg: ZeroConfig, rank: int = 0) -> dict:
 
 
 def model_ranks(tl: Timeline, cfg: ZeroConfig) -> dict:
-    """Rank 0 and the rank with the largest peak (stage 1/2's kept gradients differ by rank)."""
-    ranks = [model_rank(tl, cfg, r) for r in range(cfg.world_size)] if cfg.world_size <= 64 else \
-        [model_rank(tl, cfg, 0), model_rank(tl, cfg, cfg.world_size - 1)]
+    """Rank 0 and the rank with the largest peak (stage 1/2's kept gradients differ by rank;
+    the lowest of equal peaks). A rank's events follow from its state's sizes alone, so of
+    the ranks with the same sizes (every rank at stage 3) the lowest is modelled."""
+    same: dict[tuple, int] = {}  # a rank's sizes -> the lowest rank with them
+    for r in range(cfg.world_size) if cfg.world_size <= 64 else (0, cfg.world_size - 1):
+        same.setdefault(astuple(state_sizes(tl, cfg, r)), r)
+    ranks = [model_rank(tl, cfg, r) for r in same.values()]
     return {"rank0": ranks[0], "max": max(ranks, key=lambda r: r["memory"]["peak_bytes"])}
 
 
@@ -483,15 +488,32 @@ def _stage3_use(kind, own, tl, cfg, gathered, gathered_numel, alloc, free, at) -
 
 def _next_use_distance(tl: Timeline, p: int, at: int) -> float:
     """Elements gathered between now and parameter `p`'s next use (inf if none in the
-    step), DeepSpeed's reuse distance."""
-    distance = 0
-    for kind, i, own in tl.uses:
-        if i <= at or kind != "use":
-            continue
-        if p in own:
-            return distance
-        distance += sum(tl.params[q][0] for q in own)
-    return math.inf
+    step), DeepSpeed's reuse distance: the elements of the modules' uses after event `at`
+    and before the first that uses `p` (read from `_use_index`, not by a scan per call)."""
+    events, total, where = _use_index(tl)
+    start = bisect.bisect_right(events, at)  # the first use after `at`
+    positions = where.get(p, [])
+    k = bisect.bisect_left(positions, start)
+    return math.inf if k == len(positions) else total[positions[k]] - total[start]
+
+
+def _use_index(tl: Timeline) -> tuple[list, list, dict]:
+    """The timeline's module uses ("use", not "done"), in order: their event indices, the
+    running total of the elements they use (total[j]: the uses before the j-th), and per
+    parameter the positions of the uses that hold it. Made once per timeline."""
+    if getattr(tl, "_uses", None) is None:
+        events, total, where = [], [0], {}
+        for kind, i, own in tl.uses:
+            if kind != "use":
+                continue
+            if events and i < events[-1]:
+                raise ValueError("a timeline's uses are in event order")
+            for p in own:
+                where.setdefault(p, []).append(len(events))
+            events.append(i)
+            total.append(total[-1] + sum(tl.params[q][0] for q in own))
+        tl._uses = events, total, where
+    return tl._uses
 
 
 def _peak(events, labels, parts, marks):

@@ -114,6 +114,37 @@ def test_stage3_gathers_at_most_max_live(timeline, max_live):
     assert freed["sharding"]["gathered_param"] <= m["sharding"]["gathered_param"]
 
 
+@pytest.mark.parametrize("world_size", [3, 8])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_largest_rank_is_the_largest_of_every_rank_modelled(timeline, stage, world_size):
+    """model_ranks models one rank of those whose state has the same sizes: its answer is
+    the one of modelling every rank (the lowest of equal peaks)."""
+    cfg = config(stage, world_size)
+    every = [zero.model_rank(timeline, cfg, r) for r in range(world_size)]
+    peaks = [r["memory"]["peak_bytes"] for r in every]
+    got = zero.model_ranks(timeline, cfg)
+    assert got["rank0"] == every[0]
+    assert got["max"] == every[peaks.index(max(peaks))]
+
+
+def test_reuse_distance_is_the_scan_of_the_uses_after_now(timeline):
+    """Stage 3's reuse distance, read from an index, against its definition scanned use by
+    use: the elements the modules use after event `at`, up to the first use of `p`."""
+    def scanned(p, at):
+        distance = 0
+        for kind, i, own in timeline.uses:
+            if i > at and kind == "use":
+                if p in own:
+                    return distance
+                distance += sum(timeline.params[q][0] for q in own)
+        return math.inf
+
+    moments = sorted({i for _, i, _ in timeline.uses} | {-1, len(timeline.events)})
+    got = {(p, at): zero._next_use_distance(timeline, p, at) for p in range(len(timeline.params)) for at in moments}
+    assert got == {(p, at): scanned(p, at) for p, at in got}
+    assert {math.inf, 0} < set(got.values())  # never used again, used next, and between
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 64])
 def test_stage3_against_fsdp2_sharding(timeline, world_size):
     """Stage 3 and FSDP2 shard the same state. FSDP2 pads dim 0 of each parameter to a
