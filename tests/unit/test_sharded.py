@@ -21,12 +21,12 @@ def job(model="gpt2-tiny", **kw):
 
 @pytest.fixture(scope="module")
 def real2(sim2):
-    """gpt2-tiny on 2 gloo processes, with FSDPMemTracker's third step. Now and then, in a
-    full test run on both busy cores, one rank's peak came at another moment of its forward
-    (its activations 278,528 bytes more, its peak 22,528 bytes over FSDPMemTracker's), which
-    18 runs of the pair alone, with the cores busy or not, never gave: a real run's timing.
-    Such a run is made again once, so the simulated tier must still equal a real run byte
-    for byte."""
+    """gpt2-tiny on 2 gloo processes, with FSDPMemTracker's third step. About one run in 30
+    on busy cores differs in one rank: gloo's own thread, not the main one, drops the last
+    reference to the previous block's all-gather buffer, after the next one is allocated,
+    so both are alive at the peak (its activations 278,528 bytes more, its peak 22,528
+    over; docs/sharding.md). Such a run is made again once, so the simulated tier must still
+    equal a real run byte for byte."""
     for _ in range(2):
         real = sharded.run_ranks(job(), 2, reference=True)
         if all(same(s, r) for s, r in zip(sim2, real)):
