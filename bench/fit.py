@@ -328,11 +328,12 @@ def smallest_gpu(trace: list, memory: dict, resolution: int = 2**26) -> int:
 
     lo = memory["predicted_allocated_peak_bytes"] + allocator.CUDA_CONTEXT_BYTES
     hi = memory["predicted_gpu_bytes"]
-    if lo >= hi or allocator.replay_on_gpu(trace, lo).fits:
+    replays = allocator.Rising(trace)  # each size above the last that did not fit
+    if lo >= hi or replays.fits_on_gpu(lo):
         return lo
     while hi - lo > resolution:  # lo does not fit, hi does
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if allocator.replay_on_gpu(trace, mid).fits else (mid, hi)
+        lo, hi = (lo, mid) if replays.fits_on_gpu(mid) else (mid, hi)
     return hi
 
 

@@ -86,6 +86,30 @@ class CachingAllocator:
         self.allocated = self.reserved = 0
         self.allocated_peak = self.reserved_peak = 0
         self.retries = 0
+        # `Rising`: at the first reservation the limit refuses, a copy of the state then
+        # (what the unlimited replay has at that point)
+        self.keep_refused = False
+        self.refused: CachingAllocator | None = None
+
+    def snapshot(self) -> CachingAllocator:
+        """A copy of this allocator's state (its blocks copied, linked as these are), with no
+        limit."""
+        new = CachingAllocator()
+        for name in ("next_addr", "allocated", "reserved", "allocated_peak", "reserved_peak",
+                     "retries"):
+            setattr(new, name, getattr(self, name))
+        new.segments = dict(self.segments)
+        twins = {}  # every block is free (in a pool) or live
+        for block in [b for pool in self.pools.values() for _, _, b in pool] + list(self.live.values()):
+            twin = twins[id(block)] = _Block(block.segment, block.addr, block.size, block.small)
+            twin.free = block.free
+        for block in [b for pool in self.pools.values() for _, _, b in pool] + list(self.live.values()):
+            twin = twins[id(block)]
+            twin.prev = None if block.prev is None else twins[id(block.prev)]
+            twin.next = None if block.next is None else twins[id(block.next)]
+        new.pools = {small: [(size, addr, twins[id(b)]) for size, addr, b in pool] for small, pool in self.pools.items()}
+        new.live = {key: twins[id(b)] for key, b in self.live.items()}
+        return new
 
     # -- pools --------------------------------------------------------------------
     def _insert(self, block: _Block) -> None:
@@ -131,6 +155,8 @@ class CachingAllocator:
         small = size <= SMALL_SIZE
         block = self._best_fit(size, small) or self._reserve(size, small)
         if block is None:
+            if self.keep_refused and self.refused is None:  # nothing has changed yet
+                self.refused = self.snapshot()
             self.retries += 1
             self._release_cached()
             block = self._reserve(size, small)
@@ -190,3 +216,37 @@ def replay(events, limit_bytes: int | None = None) -> Replay:
 def replay_on_gpu(events, memory_bytes: int) -> Replay:
     """`replay` on a GPU of `memory_bytes`, of which the CUDA context takes its share."""
     return replay(events, memory_bytes - CUDA_CONTEXT_BYTES)
+
+
+class Rising:
+    """`replay_on_gpu(events, memory).fits` for GPU sizes each larger than the last that did
+    not fit (a bisection's), each replay resumed where they all agree: under a limit the
+    allocator does what it does without one up to the first reservation the limit refuses;
+    every reservation before it was within that limit, hence within any larger one. So a
+    replay that does not fit leaves the state at that point, and a later, larger limit
+    replays from there, not from the first event."""
+
+    def __init__(self, events):
+        self.events = events
+        self.start, self.state = 0, CachingAllocator()  # the unlimited replay before events[start]
+        self.floor = None  # the largest limit that did not fit: later ones must be larger
+
+    def fits_on_gpu(self, memory_bytes: int) -> bool:
+        limit = memory_bytes - CUDA_CONTEXT_BYTES
+        if self.floor is not None and limit <= self.floor:
+            raise ValueError(f"a limit of {limit} bytes is not above {self.floor}, which did not fit")
+        alloc = self.state.snapshot()
+        alloc.limit, alloc.keep_refused = limit, True
+        refused_at = None
+        for i in range(self.start, len(self.events)):
+            event = self.events[i]
+            if event[0] != "alloc":
+                alloc.free(event[1])
+                continue
+            fits = alloc.malloc(event[1], event[2])
+            if refused_at is None and alloc.refused is not None:
+                refused_at = i
+            if not fits:
+                self.start, self.state, self.floor = refused_at, alloc.refused, limit
+                return False
+        return True

@@ -2,6 +2,7 @@
 and a simulated run's prediction of what a GPU needs."""
 import random
 
+import pytest
 
 from bench.measure import allocator, runner
 from bench.measure.allocator import CachingAllocator, replay
@@ -80,3 +81,90 @@ def test_a_simulated_run_predicts_what_a_gpu_needs(tiny_job):
     over = runner.run(tiny_job(simulate=True, batch_size=8, seq_len=64,
                                capacity_gb=(mem["predicted_gpu_bytes"] - MiB) / 2**30))
     assert over["status"] == "oom" and "predicted out of memory" in over["message"]
+
+
+def _random_trace(seed: int, events: int = 3000) -> list:
+    """Allocations of all three kinds of size, about 45% of the events frees."""
+    rng, live, trace = random.Random(seed), [], []
+    for step in range(events):
+        if live and rng.random() < 0.45:
+            trace.append(("free", live.pop(rng.randrange(len(live)))))
+        else:
+            trace.append(("alloc", step, rng.choice([rng.randint(1, 4096), rng.randint(1, 3 * MiB),
+                                                     rng.randint(1, 30 * MiB)])))
+            live.append(step)
+    return trace
+
+
+def _traces():
+    """Random traces, and steps of three methods on fake tensors (as `membench fit` replays them)."""
+    from bench.job import Job
+    from bench.measure import capacity
+
+    out = [_random_trace(seed) for seed in range(3)]
+    for method, unit in (("adamw", 1), ("checkpointing", 1), ("grad_accum", 4)):
+        job = Job(kind="capacity", method=method, model="gpt2-tiny", batch_size=16, seq_len=64, simulate=True)
+        out.append(capacity._Simulation(job, unit, cost=False).measure(16)[1])
+    return out
+
+
+def _bisected(trace: list, memory: dict, resolution: int = 2**26) -> int:
+    """`fit.smallest_gpu` as it was: the same bisection, each step a replay from the first event."""
+    lo = memory["predicted_allocated_peak_bytes"] + allocator.CUDA_CONTEXT_BYTES
+    hi = memory["predicted_gpu_bytes"]
+    if lo >= hi or allocator.replay_on_gpu(trace, lo).fits:
+        return lo
+    while hi - lo > resolution:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if allocator.replay_on_gpu(trace, mid).fits else (mid, hi)
+    return hi
+
+
+def test_rising_limits_resume_where_the_replays_agree_and_answer_as_replays_from_the_start():
+    """`Rising` (each replay resumed from the state where a smaller limit was first refused)
+    against a replay from the first event, at every step of bisections from the allocated
+    peak to the unlimited reserve, fine and coarse; and `fit.smallest_gpu`, which bisects
+    with it, against the same bisection on whole replays."""
+    from bench import fit
+
+    ctx = allocator.CUDA_CONTEXT_BYTES
+    resumed = 0
+    for trace in _traces():
+        whole = replay(trace)
+        memory = {"predicted_allocated_peak_bytes": whole.allocated_peak_bytes,
+                  "predicted_gpu_bytes": whole.reserved_peak_bytes + ctx}
+        assert fit.smallest_gpu(trace, memory) == _bisected(trace, memory)
+        for resolution in (4096, MiB, 64 * MiB):
+            rising = allocator.Rising(trace)
+            lo, hi = whole.allocated_peak_bytes + ctx, whole.reserved_peak_bytes + ctx
+            fits = rising.fits_on_gpu(lo)
+            assert fits == allocator.replay_on_gpu(trace, lo).fits
+            while not fits and hi - lo > resolution:
+                mid = (lo + hi) // 2
+                at_mid = rising.fits_on_gpu(mid)
+                assert at_mid == allocator.replay_on_gpu(trace, mid).fits, mid
+                lo, hi = (lo, mid) if at_mid else (mid, hi)
+            resumed += rising.start > 0
+    assert resumed  # bisections that did resume past the first event
+    rising = allocator.Rising(_random_trace(0))
+    assert not rising.fits_on_gpu(ctx + MiB)
+    with pytest.raises(ValueError, match="not above"):
+        rising.fits_on_gpu(ctx + MiB)
+
+
+def test_a_snapshot_goes_on_as_the_allocator_it_copies():
+    trace = _random_trace(1)
+    alloc = CachingAllocator()
+    for i, event in enumerate(trace):
+        if i == len(trace) // 2:
+            twin = alloc.snapshot()
+            for later in trace[i:]:
+                (twin.malloc(later[1], later[2]) if later[0] == "alloc" else twin.free(later[1]))
+        (alloc.malloc(event[1], event[2]) if event[0] == "alloc" else alloc.free(event[1]))
+    for name in ("allocated", "reserved", "allocated_peak", "reserved_peak", "retries", "segments"):
+        assert getattr(twin, name) == getattr(alloc, name), name
+    assert sorted((b.addr, b.size, b.free) for b in twin.live.values()) == \
+        sorted((b.addr, b.size, b.free) for b in alloc.live.values())
+    for small in (True, False):  # the same free blocks, linked to the same neighbours
+        assert [(size, addr, b.prev and b.prev.addr, b.next and b.next.addr) for size, addr, b in twin.pools[small]] \
+            == [(size, addr, b.prev and b.prev.addr, b.next and b.next.addr) for size, addr, b in alloc.pools[small]]
