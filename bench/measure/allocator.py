@@ -107,7 +107,8 @@ class CachingAllocator:
             twin = twins[id(block)]
             twin.prev = None if block.prev is None else twins[id(block.prev)]
             twin.next = None if block.next is None else twins[id(block.next)]
-        new.pools = {small: [(size, addr, twins[id(b)]) for size, addr, b in pool] for small, pool in self.pools.items()}
+        new.pools = {small: [(size, addr, twins[id(b)]) for size, addr, b in pool]
+                     for small, pool in self.pools.items()}
         new.live = {key: twins[id(b)] for key, b in self.live.items()}
         return new
 

@@ -134,7 +134,7 @@ def test_rising_limits_resume_where_the_replays_agree_and_answer_as_replays_from
         memory = {"predicted_allocated_peak_bytes": whole.allocated_peak_bytes,
                   "predicted_gpu_bytes": whole.reserved_peak_bytes + ctx}
         assert fit.smallest_gpu(trace, memory) == _bisected(trace, memory)
-        for resolution in (4096, MiB, 64 * MiB):
+        for resolution in (64 * 1024, MiB):
             rising = allocator.Rising(trace)
             lo, hi = whole.allocated_peak_bytes + ctx, whole.reserved_peak_bytes + ctx
             fits = rising.fits_on_gpu(lo)
