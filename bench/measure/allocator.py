@@ -99,11 +99,12 @@ class CachingAllocator:
                      "retries"):
             setattr(new, name, getattr(self, name))
         new.segments = dict(self.segments)
+        blocks = [b for pool in self.pools.values() for _, _, b in pool] + list(self.live.values())
         twins = {}  # every block is free (in a pool) or live
-        for block in [b for pool in self.pools.values() for _, _, b in pool] + list(self.live.values()):
+        for block in blocks:
             twin = twins[id(block)] = _Block(block.segment, block.addr, block.size, block.small)
             twin.free = block.free
-        for block in [b for pool in self.pools.values() for _, _, b in pool] + list(self.live.values()):
+        for block in blocks:
             twin = twins[id(block)]
             twin.prev = None if block.prev is None else twins[id(block.prev)]
             twin.next = None if block.next is None else twins[id(block.next)]

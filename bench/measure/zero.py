@@ -60,6 +60,7 @@ import os
 import pickle
 import tempfile
 from dataclasses import astuple, dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -171,6 +172,23 @@ class Timeline:
     optimizer_scalars: int = 0  # bytes of 0-d optimizer state (step counters)
     state_per_element: int = 0  # per-element optimizer tensors (AdamW: 2)
     unsharded: dict = field(default_factory=dict)  # the job's own memory row
+
+    @cached_property
+    def use_index(self) -> tuple[list, list, dict]:
+        """The module uses ("use", not "done"), in order: their event indices, the running
+        total of the elements they use (total[j]: the uses before the j-th), and per
+        parameter the positions of the uses that hold it (`_next_use_distance` reads it)."""
+        events, total, where = [], [0], {}
+        for kind, i, own in self.uses:
+            if kind != "use":
+                continue
+            if events and i < events[-1]:
+                raise ValueError("a timeline's uses are in event order")
+            for p in own:
+                where.setdefault(p, []).append(len(events))
+            events.append(i)
+            total.append(total[-1] + sum(self.params[q][0] for q in own))
+        return events, total, where
 
 
 class TimelineTracker(MemoryTracker):
@@ -489,31 +507,12 @@ def _stage3_use(kind, own, tl, cfg, gathered, gathered_numel, alloc, free, at) -
 def _next_use_distance(tl: Timeline, p: int, at: int) -> float:
     """Elements gathered between now and parameter `p`'s next use (inf if none in the
     step), DeepSpeed's reuse distance: the elements of the modules' uses after event `at`
-    and before the first that uses `p` (read from `_use_index`, not by a scan per call)."""
-    events, total, where = _use_index(tl)
+    and before the first that uses `p` (read from `Timeline.use_index`, not by a scan per call)."""
+    events, total, where = tl.use_index
     start = bisect.bisect_right(events, at)  # the first use after `at`
     positions = where.get(p, [])
     k = bisect.bisect_left(positions, start)
     return math.inf if k == len(positions) else total[positions[k]] - total[start]
-
-
-def _use_index(tl: Timeline) -> tuple[list, list, dict]:
-    """The timeline's module uses ("use", not "done"), in order: their event indices, the
-    running total of the elements they use (total[j]: the uses before the j-th), and per
-    parameter the positions of the uses that hold it. Made once per timeline."""
-    if getattr(tl, "_uses", None) is None:
-        events, total, where = [], [0], {}
-        for kind, i, own in tl.uses:
-            if kind != "use":
-                continue
-            if events and i < events[-1]:
-                raise ValueError("a timeline's uses are in event order")
-            for p in own:
-                where.setdefault(p, []).append(len(events))
-            events.append(i)
-            total.append(total[-1] + sum(tl.params[q][0] for q in own))
-        tl._uses = events, total, where
-    return tl._uses
 
 
 def _peak(events, labels, parts, marks):
