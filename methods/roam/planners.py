@@ -42,6 +42,7 @@ fragmentation.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -112,7 +113,13 @@ def greedy_order(graph: StepGraph, update_early: bool = True, rule: str = "free"
     """Memory-aware list scheduling; see the module docstring. Among the ready ops (after
     the update ops, with `update_early`): rule `free` runs the one that frees most (net
     bytes), ties and ops that free nothing in eager order; rule `peak` first the one
-    that raises the peak so far least."""
+    that raises the peak so far least.
+
+    Each step picks the least key among the ready ops, as a scan of them would, from
+    heaps: an op's net bytes change only when a temporary it touches gets down to (or
+    past) its last user, so they are kept up to date per storage, not recomputed per
+    step. Under `peak`, the ops whose allocation keeps within the peak so far (all
+    tied on it) are found by their allocation's rank (`_PrefixMin`)."""
     if rule not in ("free", "peak"):
         raise ValueError(f"unknown greedy rule {rule!r}")
     n = len(graph)
@@ -123,33 +130,123 @@ def greedy_order(graph: StepGraph, update_early: bool = True, rule: str = "free"
     temp = [s.producer is not None and not s.keep for s in storages]
     touched = [tuple({*op.reads, *op.writes}) for op in graph.ops]
     transient = [sum(size[s] for s in op.creates if not graph.uses[s] and temp[s]) for op in graph.ops]
-    state = {"cur": graph.resident_bytes, "peak": graph.resident_bytes}
+    alloc = graph.alloc
+    touchers: list[list[int]] = [[] for _ in storages]
+    for i, t in enumerate(touched):
+        for s in t:
+            if temp[s]:
+                touchers[s].append(i)
+    freed = [sum(size[s] for s in touched[i] if temp[s] and remaining[s] == 1) for i in range(n)]
+    cls = [int(i not in early) for i in range(n)]
+    done = [False] * n
+    is_ready = [False] * n
 
-    def freed(i):
-        return sum(size[s] for s in touched[i] if temp[s] and remaining[s] == 1)
+    def gain(i):  # what the op's net bytes say in the key: only a release counts
+        return min(alloc[i] - transient[i] - freed[i], 0)
 
-    def key(i):
-        net = graph.alloc[i] - transient[i] - freed(i)
+    # rule free: one heap of (class, gain, op); rule peak: per class, a heap of (alloc,
+    # gain, op) and the least (gain, op) by allocation rank
+    heap: list = []
+    by_alloc: list[list] = [[], []]
+    rank = {i: r for r, i in enumerate(sorted(range(n), key=lambda i: (alloc[i], i)))}
+    sorted_alloc = sorted(alloc)
+    within = [_PrefixMin(n), _PrefixMin(n)]
+    count = [0, 0]
+
+    def offer(i):  # the op's current key, into the structures (older entries go stale)
+        g = gain(i)
         if rule == "free":
-            return (i not in early, min(net, 0), i)
-        return (i not in early, max(state["cur"] + graph.alloc[i], state["peak"]), min(net, 0), i)
+            heapq.heappush(heap, (cls[i], g, i))
+        else:
+            heapq.heappush(by_alloc[cls[i]], (alloc[i], g, i))
+            within[cls[i]].set(rank[i], (g, i))
 
+    def current(entry, i):
+        return is_ready[i] and entry[-2] == gain(i)
+
+    cur = peak = graph.resident_bytes
     indeg = [len(p) for p in graph.preds]
-    ready = [i for i in range(n) if indeg[i] == 0]
+    for i in range(n):
+        if indeg[i] == 0:
+            is_ready[i] = True
+            count[cls[i]] += 1
+            offer(i)
     order = []
-    while ready:
-        best = min(ready, key=key)
-        ready.remove(best)
+    while count[0] + count[1]:
+        if rule == "free":
+            while not current(heap[0], heap[0][-1]):
+                heapq.heappop(heap)
+            best = heapq.heappop(heap)[-1]
+        else:
+            c = 0 if count[0] else 1
+            fit = bisect.bisect_right(sorted_alloc, peak - cur)  # ops whose alloc keeps within the peak
+            least = within[c].least(fit)
+            if least is not None:
+                best = least[1]
+            else:
+                q = by_alloc[c]
+                while not current(q[0], q[0][-1]):
+                    heapq.heappop(q)
+                best = q[0][-1]
+            within[c].set(rank[best], None)
+        is_ready[best] = False
+        done[best] = True
+        count[cls[best]] -= 1
         order.append(best)
-        state["peak"] = max(state["peak"], state["cur"] + graph.alloc[best])
-        state["cur"] += graph.alloc[best] - transient[best] - freed(best)
+        peak = max(peak, cur + alloc[best])
+        cur += alloc[best] - transient[best] - freed[best]
         for s in touched[best]:
             remaining[s] -= 1
+            if temp[s] and remaining[s] in (0, 1):  # crossed 1: its touchers' freed bytes change
+                delta = size[s] if remaining[s] == 1 else -size[s]
+                for j in touchers[s]:
+                    if not done[j]:
+                        freed[j] += delta
+                        if is_ready[j]:
+                            offer(j)
         for j in graph.succs[best]:
             indeg[j] -= 1
             if indeg[j] == 0:
-                ready.append(j)
+                is_ready[j] = True
+                count[cls[j]] += 1
+                offer(j)
     return order
+
+
+class _PrefixMin:
+    """A segment tree over n slots: set a slot's value (None: empty), and the least value
+    among the first k slots."""
+
+    def __init__(self, n: int):
+        self.size = 1 << max(0, (n - 1).bit_length())
+        self.tree: list = [None] * (2 * self.size)
+
+    def set(self, slot: int, value) -> None:
+        i = slot + self.size
+        self.tree[i] = value
+        i //= 2
+        while i:
+            a, b = self.tree[2 * i], self.tree[2 * i + 1]
+            self.tree[i] = a if b is None or (a is not None and a < b) else b
+            i //= 2
+
+    def least(self, k: int):
+        """The least value among slots [0, k)."""
+        best, lo, hi = None, self.size, k + self.size
+        while lo < hi:
+            if lo & 1:
+                v = self.tree[lo]
+                if v is not None and (best is None or v < best):
+                    best = v
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                v = self.tree[hi]
+                if v is not None and (best is None or v < best):
+                    best = v
+            lo //= 2
+            hi //= 2
+        return best
 
 
 # -- exact (CP-SAT) ------------------------------------------------------------------------

@@ -207,6 +207,66 @@ def test_every_order_respects_dependencies(steps):
             assert g.is_topological(order), (k, name)
 
 
+def scanned_greedy_order(graph, update_early=True, rule="free"):
+    """The greedy rule as its docstring states it, by a scan of every ready op per step:
+    the reference for `greedy_order`'s heaps."""
+    remaining = [len(u) for u in graph.uses]
+    early = P.update_ops(graph) if update_early else set()
+    size = [s.nbytes for s in graph.storages]
+    temp = [s.producer is not None and not s.keep for s in graph.storages]
+    touched = [tuple({*op.reads, *op.writes}) for op in graph.ops]
+    transient = [sum(size[s] for s in op.creates if not graph.uses[s] and temp[s]) for op in graph.ops]
+    cur = peak = graph.resident_bytes
+
+    def freed(i):
+        return sum(size[s] for s in touched[i] if temp[s] and remaining[s] == 1)
+
+    def key(i):
+        net = min(graph.alloc[i] - transient[i] - freed(i), 0)
+        return (i not in early, net, i) if rule == "free" else \
+            (i not in early, max(cur + graph.alloc[i], peak), net, i)
+
+    indeg = [len(p) for p in graph.preds]
+    ready, order = [i for i in range(len(graph)) if indeg[i] == 0], []
+    while ready:
+        best = min(ready, key=key)
+        ready.remove(best)
+        order.append(best)
+        peak = max(peak, cur + graph.alloc[best])
+        cur += graph.alloc[best] - transient[best] - freed(best)
+        for s in touched[best]:
+            remaining[s] -= 1
+        for j in graph.succs[best]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                ready.append(j)
+    return order
+
+
+def updating_graph(rng, n_ops):
+    """A random graph whose later ops also write the parameters in place (update ops) and
+    some of whose ops write what they make (their producer then counts among its touches,
+    so a temporary's count can pass its last user early)."""
+    g = random_graph(rng, n_ops, free_p=0.3)
+    ops = [G.Op(op.name, op.creates, op.reads, (rng.choice([0, 1]),) if i > n_ops // 2 and rng.random() < 0.3
+                else op.creates if rng.random() < 0.2 else (), op.after)  # or writes what it makes
+           for i, op in enumerate(g.ops)]
+    return G.StepGraph(ops, [G.Storage(s.nbytes, kind=s.kind, keep=s.keep) for s in g.storages])
+
+
+def test_greedy_order_equals_the_scan_of_ready_ops(steps):
+    """The heaps pick what a scan of the ready ops picks, step by step (both rules, with
+    and without the update ops first), on captured and random graphs."""
+    rng = random.Random(7)
+    graphs = [s.capture.graph for s, _ in steps.values()]
+    graphs += [random_graph(rng, rng.randint(5, 80)) for _ in range(40)]
+    graphs += [updating_graph(rng, rng.randint(5, 80)) for _ in range(40)]
+    for k, g in enumerate(graphs):
+        for rule in ("free", "peak"):
+            for early in (True, False):
+                assert P.greedy_order(g, early, rule) == scanned_greedy_order(g, early, rule), (k, rule, early)
+
+
 def test_update_early_frees_gradients_during_backward(steps):
     g = steps["gpt2-tiny"][0].capture.graph
     default, early = G.simulate(g), G.simulate(g, P.update_early_order(g))
