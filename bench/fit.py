@@ -25,10 +25,11 @@ is: by a step run, or, between batches whose steps' traces lie on one line in th
 (three of them, byte for byte: `bench.measure.trace_line`), by the trace that line gives,
 which is the one the step would make; so a step well beyond the largest size's answer
 (twice a first guess) is run early, and the boundaries below it are computed, not run.
-A model of 16 blocks or more (one GPU, or rank 0 under FSDP2) runs its full depth once, at
-`--batch-size`: the other batches are read from a copy of it with 4 blocks, once the
-copies with 3, 4 and 5 blocks give the full model's trace at that batch byte for byte
-(`bench.measure.trace_depth`; `capacity._Deep`). The steps count no FLOPs (fit reports
+A model of 16 blocks or more (one GPU, rank 0 under FSDP2, or ZeRO's unsharded timeline)
+is not run at full depth where its copies give it: at the first batch, copies with 3, 4 and
+5 blocks give a rule for the full model's trace (checked byte for byte on a copy of 6), and
+later batches are read from the copy of 4 blocks (`bench.measure.trace_depth`;
+`capacity._Deep`, `capacity._DeepTimelines`). The steps count no FLOPs (fit reports
 none; `StepCost` would cost a dispatch mode per operator).
 
 Methods are answered in `--jobs` worker processes (default: one per core this process may

@@ -476,7 +476,7 @@ class _ZeroRuns:
         from bench.measure import zero
 
         job = replace(self.job, batch_size=batch_size)
-        timeline = _timeline(job)
+        timeline, depth = _timeline(job)
         cfg = zero.ZeroConfig(stage=int(job.sharding[-1]), world_size=job.world_size)
         result = zero.model_ranks(timeline, cfg)["max"]
         events = result["events"]
@@ -485,6 +485,8 @@ class _ZeroRuns:
                   "memory": {**result["memory"], **step.predict_gpu(events, None), "tier": "modelled"},
                   "sharding": result["sharding"],
                   "persistent_bytes": sizes.param + sizes.master + sizes.state + allocator.CUDA_CONTEXT_BYTES}
+        if depth is not None:  # the timeline read from shallow copies (`_DeepTimelines`)
+            record["depth"] = depth
         return record, events
 
     def close(self) -> None:
@@ -492,9 +494,14 @@ class _ZeroRuns:
 
 
 _TIMELINES: dict = {}  # (the unsharded job, batch) -> its ZeRO timeline: the last job's only
+_READERS: dict = {}  # the unsharded job (its batch aside) -> its `_DeepTimelines`: the last job's only
 
 
 def _timeline(job: Job):
+    """The ZeRO timeline of `job`'s unsharded step (`zero.record_timeline`): of a model of
+    `_Deep.FROM_DEPTH` blocks or more, read from shallow copies where they give it
+    (`_DeepTimelines`), else run at full depth. A record of the read says from which
+    copies (`depth`)."""
     from bench.measure import zero
 
     unsharded = replace(job, world_size=1, sharding="none")
@@ -502,8 +509,103 @@ def _timeline(job: Job):
     if key not in _TIMELINES:
         if any(owner != (job.method, job.model) for owner, _ in _TIMELINES.values()):
             _TIMELINES.clear()
-        _TIMELINES[key] = (job.method, job.model), zero.record_timeline(unsharded, load(job.method, job.hparams))
+            _READERS.clear()
+        read = None
+        if models.shape(job.model)[1] >= _Deep.FROM_DEPTH:
+            reader_key = json.dumps(replace(unsharded, batch_size=1).to_dict(), sort_keys=True)
+            reader = _READERS.setdefault(reader_key, _DeepTimelines(unsharded))
+            read = reader.at(job.batch_size)
+        _TIMELINES[key] = (job.method, job.model), read or (
+            zero.record_timeline(unsharded, load(job.method, job.hparams)), None)
     return _TIMELINES[key][1]
+
+
+class _DeepTimelines:
+    """ZeRO timelines (`zero.Timeline`) of a deep model's unsharded step, read from shallow
+    copies of it as `_Deep` reads a step's trace: the copies' runs are `zero.labelled_run`s
+    (their traces also say each gradient's parameter, each module's use of its parameters
+    and each optimizer step: `zero.TimelineTracker`), a rule learned at the first batch
+    from `_Deep.SHALLOW` copies and checked on `_Deep.CHECK` gives the trace at full depth,
+    and `zero.timeline_from_labelled` the timeline from it. Each copy's own timeline read
+    back from its trace must be the one its run kept, or nothing is read. What does not
+    grow per block in the trace (parameters, the optimizer's scalar and per-element state)
+    is read on the line through the copies (which must hold at `CHECK`); the full model's
+    parameter list from the model built on fake tensors (no step). As in a ZeRO memory job,
+    each batch's run starts from a fresh model: its warm-up is at that batch."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.depth = models.shape(job.model)[1]
+        self.rule: trace_depth.Depth | bool | None = None  # None: not learned yet; False: none
+        self.params: list | None = None  # the full model's (numel, element size, trainable)
+        self.totals: dict | None = None  # at full depth, from the line through the copies
+
+    def _run(self, depth: int, batch: int) -> tuple[list, dict] | None:
+        """A copy's labelled trace and totals at `batch`, or None if its timeline is not the
+        one its trace says."""
+        from bench.measure import zero
+
+        job = replace(self.job, model=models.at_depth(self.job.model, depth), batch_size=batch)
+        timeline, trace, totals = zero.labelled_run(job, load(job.method, job.hparams))
+        if zero.timeline_from_labelled(trace, timeline.params, totals) != timeline:
+            return None
+        return trace, totals
+
+    def at(self, batch: int) -> tuple | None:
+        """(The timeline at full depth, the copies it was read from), or None where the
+        copies do not give it."""
+        try:
+            return self._read(batch)
+        except Exception:  # noqa: BLE001 - a model that has no shallow copy runs at full depth
+            self.rule = False
+            return None
+
+    def _read(self, batch: int) -> tuple | None:
+        from bench.measure import zero
+
+        runs, first = {}, self.rule is None
+        shallow, check = _Deep.SHALLOW, _Deep.CHECK
+        if self.rule:
+            runs[shallow[1]] = self._run(shallow[1], batch)
+            rule = self.rule.read(runs[shallow[1]][0]) if runs[shallow[1]] else None
+            deep = rule.at(self.depth) if rule is not None else None
+            if deep is not None:
+                return zero.timeline_from_labelled(deep, self.params, self.totals), shallow[1]
+        if self.rule is False:
+            return None
+        self.rule = False  # until one is learned at this batch
+        for d in shallow:
+            if d not in runs:
+                runs[d] = self._run(d, batch)
+        if any(r is None for r in runs.values()):
+            return None
+        rule = trace_depth.Depth({d: trace for d, (trace, _) in runs.items()})
+        if not rule.ok:
+            return None
+        runs[check] = self._run(check, batch)
+        if runs[check] is None or rule.at(check) != trace_depth.numbered(runs[check][0]):
+            return None
+        totals = {}
+        for name in runs[check][1]:
+            y = {d: t[name] for d, (_, t) in runs.items()}
+            a, rise = y[shallow[0]], y[shallow[1]] - y[shallow[0]]
+            if any(y[d] != a + rise * (d - shallow[0]) for d in y):
+                return None
+            totals[name] = a + rise * (self.depth - shallow[0])
+        deep = rule.at(self.depth)
+        if deep is None:
+            return None
+        if first:
+            method = load(self.job.method, self.job.hparams)
+            model, _ = step.setup(replace(self.job, batch_size=batch), method, step.fake_mode())
+            self.params = [(p.numel(), p.element_size(), p.requires_grad) for p in model.parameters()]
+        self.rule, self.totals = rule, totals
+        print(f"[{self.job.method} {self.job.model}] its timeline at batch {batch} is "
+              + ("" if first else "not the last rule's; it is ")
+              + f"periodic in its {self.depth} blocks: read from copies of {shallow[0]}-{shallow[-1]} blocks, "
+                f"checked on one of {check}; later batches from a copy of {shallow[1]} blocks",
+              file=sys.stderr, flush=True)
+        return zero.timeline_from_labelled(deep, self.params, totals), f"{shallow[0]}-{check}"
 
 
 class Oracle:

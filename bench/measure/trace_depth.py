@@ -271,6 +271,23 @@ def _candidates(base: list, distances: list, inserts: list) -> list[list]:
         run = range(p - left, p + right + 1)
         links = [(e - distances[e], e) for e in range(max(0, run[0] - n), min(len(base), run[-1] + n))
                  if distances[e] is not None and distances[e] < n]
-        best = sorted(run, key=lambda q: (sum(i < q <= e for i, e in links), abs(q - middle)))
+        across = _across(links, run[0], run[-1] + 1)  # per point of the run: links with i < q <= e
+        best = sorted(run, key=lambda q: (across[q - run[0]], abs(q - middle)))
         out.append([(q, [unit[(q - p + i) % n] for i in range(n)]) for q in best[:_CANDIDATES]])
+    return out
+
+
+def _across(links: list, lo: int, hi: int) -> list[int]:
+    """For each q in [lo, hi): how many links (i, e) have i < q <= e, by a running count
+    (a link adds one from i + 1 and stops after e)."""
+    steps = [0] * (hi - lo + 1)
+    for i, e in links:
+        a, b = max(i + 1, lo), min(e, hi - 1)
+        if a <= b:
+            steps[a - lo] += 1
+            steps[b + 1 - lo] -= 1
+    out, count = [], 0
+    for q in range(hi - lo):
+        count += steps[q]
+        out.append(count)
     return out

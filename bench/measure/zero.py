@@ -67,7 +67,7 @@ import torch
 from bench import models
 from bench.job import CATEGORIES, Job
 from bench.measure import allocator, step
-from bench.measure.tracker import MemorySplit, MemoryTracker, cuda_kernels
+from bench.measure.tracker import MemorySplit, MemoryTracker, cuda_kernels, labelled_peak
 from bench.method import Method
 
 DEEPSPEED_VERSION = "0.19.8"
@@ -193,25 +193,48 @@ class Timeline:
 
 class TimelineTracker(MemoryTracker):
     """`MemoryTracker` that also keeps, per allocation event, the storage's last category
-    and which parameter's gradient it became (`Timeline.labels`, `Timeline.owner`)."""
+    and which parameter's gradient it became (`Timeline.labels`, `Timeline.owner`), with
+    events numbered as `Timeline.events` numbers them (allocations and frees: `count`).
 
-    def __init__(self, **kwargs):
-        super().__init__(events=[], **kwargs)
+    `labelled`: its events say each storage's category (`MemoryTracker`) and also what the
+    timeline keeps beside them, as events a deep model's trace can be read with from shallow
+    copies of it (`bench.measure.trace_depth`; `timeline_from_labelled` reads them back):
+    ("grad_of", gradient's storage, "grad") then ("grad_of", parameter's storage, "param")
+    where a gradient is accumulated; ("use" or "done", a parameter's storage, (i, n)) for
+    the i-th of the n parameters of a module at its forward or backward; ("mark", "update")
+    and ("mark", "updated") around each optimizer step."""
+
+    def __init__(self, labelled: bool = False, **kwargs):
+        super().__init__(events=[], labelled=labelled, **kwargs)
         self.labels: dict[int, str] = {}
         self.owner: dict[int, int] = {}
         self._index: dict[int, int] = {}  # storage key -> its alloc event
         self._param_index: dict[int, int] = {}
+        self._count = self._read = 0  # allocations and frees so far; events read so far
+
+    @property
+    def count(self) -> int:
+        """Allocations and frees so far: the index `Timeline.events` gives the next one."""
+        self._sync()
+        return self._count
+
+    def _sync(self) -> None:
+        """Number the allocations and frees made since the last call."""
+        for event in self.events[self._read:]:
+            if event[0] == "alloc":
+                self._index[event[1]] = self._count
+                self.labels[self._count] = event[3] if self.labelled else self._live[event[1]][1]
+            if event[0] in ("alloc", "free"):
+                self._count += 1
+        self._read = len(self.events)
 
     def _add(self, tensor, category, pinned, relabel):
-        before = len(self.events)
         super()._add(tensor, category, pinned, relabel)
-        if len(self.events) > before and self.events[-1][0] == "alloc":
-            key = self.events[-1][1]
-            self._index[key] = len(self.events) - 1
-            self.labels[len(self.events) - 1] = self._live[key][1]
+        self._sync()
 
     def _relabel(self, key, entry, category):
         super()._relabel(key, entry, category)
+        self._sync()
         if key in self._index:
             self.labels[self._index[key]] = category
 
@@ -222,9 +245,17 @@ class TimelineTracker(MemoryTracker):
     def _on_grad(self, param):
         super()._on_grad(param)
         if param.grad is not None:
-            index = self._index.get(param.grad.untyped_storage()._cdata)
+            self._sync()
+            key = param.grad.untyped_storage()._cdata
+            index = self._index.get(key)
             if index is not None:
                 self.owner[index] = self._param_index[id(param)]
+                if self.labelled:
+                    self.events += [("grad_of", key, "grad"), ("grad_of", param.untyped_storage()._cdata, "param")]
+
+    def mark(self, name: str) -> None:
+        if self.labelled:
+            self.events.append(("mark", name))
 
 
 def _watch_modules(model, tracker: TimelineTracker, uses: list):
@@ -233,12 +264,18 @@ def _watch_modules(model, tracker: TimelineTracker, uses: list):
     index = {id(p): i for i, p in enumerate(model.parameters())}
     handles = []
     for module in model.modules():
-        own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
-        if not own:
+        params = [p for p in module.parameters(recurse=False) if id(p) in index]
+        if not params:
             continue
+        own = [index[id(p)] for p in params]
 
-        def mark(kind, own=own):
-            return lambda *_: uses.append((kind, len(tracker.events), own))
+        def mark(kind, own=own, params=params):
+            def hook(*_):
+                uses.append((kind, tracker.count, own))
+                if tracker.labelled:
+                    tracker.events.extend((kind, p.untyped_storage()._cdata, (i, len(params)))
+                                          for i, p in enumerate(params))
+            return hook
 
         handles += [module.register_forward_pre_hook(mark("use")), module.register_forward_hook(mark("done")),
                     module.register_full_backward_pre_hook(mark("use")),
@@ -249,44 +286,111 @@ def _watch_modules(model, tracker: TimelineTracker, uses: list):
 def record_timeline(job: Job, method: Method) -> Timeline:
     """Run the memory job's two steps (`kinds._memory`: warm-up, then the measured step; on
     fake tensors if `job.simulate`) under `TimelineTracker`, and return the timeline."""
+    return labelled_run(job, method, labelled=False)[0]
+
+
+def labelled_run(job: Job, method: Method, labelled: bool = True) -> tuple[Timeline, list, dict]:
+    """`record_timeline`'s run, and its tracker's events (labelled: see `TimelineTracker`)
+    and what the timeline counts beside them (`totals`: parameters, the optimizer's scalar
+    bytes and per-element state elements, trainable elements), as `timeline_from_labelled`
+    takes them."""
     fake = step.fake_mode() if job.simulate else None
     model, stream = step.setup(job, method, fake)
-    tracker = TimelineTracker()
+    tracker = TimelineTracker(labelled=labelled)
     take_batch = step.batch_feeder(stream, job.device, fake, tracker)
     tracker.register_model(model)
     uses: list = []
     handles = _watch_modules(model, tracker, uses)
-    updates, backwards = [], []
+    updates = []
+
+    def update_starts(*_):
+        updates.append([tracker.count, None])
+        tracker.mark("update")
+
+    def update_ends(*_):
+        updates[-1][1] = tracker.count
+        tracker.mark("updated")
 
     with fake or contextlib.nullcontext(), tracker, cuda_kernels():
         optimizer = method.make_optimizer(model)
-        optimizer.register_step_pre_hook(lambda *_: updates.append([len(tracker.events), None]))
-        optimizer.register_step_post_hook(lambda *_: updates[-1].__setitem__(1, len(tracker.events)))
+        optimizer.register_step_pre_hook(update_starts)
+        optimizer.register_step_post_hook(update_ends)
         loss = method.train_step(model, optimizer, take_batch())
         tracker.label(method.state_tensors(optimizer), "optimizer")
         del loss
         batch = take_batch()
         tracker.reset_peak()
-        measured_from = len(tracker.events)
+        measured_from = tracker.count
         loss = method.train_step(model, optimizer, batch)
         tracker.label(method.state_tensors(optimizer), "optimizer")
         del loss
         state = method.state_tensors(optimizer)
-    # a backward's gradients: from its first to its last (DeepSpeed's hooks run at each)
-    for lo, hi in ((0, measured_from), (measured_from, len(tracker.events))):
-        made = [i for i in tracker.owner if lo <= i < hi]
-        if made:
-            backwards.append((min(made), max(made) + 1))
     for h in handles:
         h.remove()
-    scalars = sum(t.untyped_storage().nbytes() for t in state if t.numel() == 1)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    per_element = sum(t.numel() for t in state if t.numel() > 1) // max(1, trainable)
+    totals = {"n_params": models.n_params(model),
+              "optimizer_scalars": sum(t.untyped_storage().nbytes() for t in state if t.numel() == 1),
+              "state_elements": sum(t.numel() for t in state if t.numel() > 1),
+              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
     params = [(p.numel(), p.element_size(), p.requires_grad) for p in model.parameters()]
-    split = tracker.peak_split.as_row()
-    return Timeline(tracker.events, tracker.labels, tracker.owner, params, uses, measured_from,
-                    [tuple(u) for u in updates], backwards, scalars, per_element,
-                    {**split, "n_params": models.n_params(model)})
+    trace = list(tracker.events)  # as the step left them (the model's frees when it goes are not the step's)
+    events = [e[:3] for e in trace if e[0] in ("alloc", "free")] if labelled else trace
+    timeline = _timeline(events, dict(tracker.labels), dict(tracker.owner), params, uses, measured_from,
+                         [tuple(u) for u in updates], totals, tracker.peak_split)
+    return timeline, trace, totals
+
+
+def _timeline(events, labels, owner, params, uses, measured_from, updates, totals, split) -> Timeline:
+    backwards = []  # a backward's gradients: from its first to its last (DeepSpeed's hooks run at each)
+    for lo, hi in ((0, measured_from), (measured_from, len(events))):
+        made = [i for i in owner if lo <= i < hi]
+        if made:
+            backwards.append((min(made), max(made) + 1))
+    return Timeline(events, labels, owner, params, uses, measured_from, updates, backwards,
+                    totals["optimizer_scalars"], totals["state_elements"] // max(1, totals["trainable"]),
+                    {**split.as_row(), "n_params": totals["n_params"]})
+
+
+def timeline_from_labelled(trace: list, params: list, totals: dict) -> Timeline:
+    """The timeline a `TimelineTracker(labelled=True)` run's events say (or a trace read from
+    them, keys renumbered: `trace_depth.Depth.at`), with the model's `params` ((numel,
+    element size, trainable) each) and `totals` (`labelled_run`): the one `record_timeline`
+    gives for that run, keys aside. A parameter's index is the order its storage was
+    registered in (`register_model`: the first allocations of category param)."""
+    events, labels, owner, uses, updates = [], {}, {}, [], []
+    index: dict = {}  # key -> its alloc event
+    param_of: dict = {}  # a parameter's storage key -> its index
+    measured_from, grad = None, None
+    for event in trace:
+        kind = event[0]
+        if kind == "alloc":
+            index[event[1]] = len(events)
+            labels[len(events)] = event[3]
+            if event[3] == "param" and len(param_of) < len(params) and not events[len(param_of):]:
+                param_of[event[1]] = len(param_of)
+            events.append(event[:3])
+        elif kind == "free":
+            events.append(event[:2])
+        elif kind == "label":
+            if event[1] in index:
+                labels[index[event[1]]] = event[2]
+        elif kind == "grad_of":
+            if event[2] == "grad":
+                grad = index[event[1]]
+            else:
+                owner[grad] = param_of[event[1]]
+        elif kind in ("use", "done"):
+            i, n = event[2]
+            if i == 0:
+                uses.append((kind, len(events), []))
+            uses[-1][2].append(param_of[event[1]])
+        elif event == ("mark", "peak"):
+            measured_from = len(events)
+        elif event == ("mark", "update"):
+            updates.append((len(events), None))
+        elif event == ("mark", "updated"):
+            updates[-1] = (updates[-1][0], len(events))
+    split, _ = labelled_peak(trace)
+    return _timeline(events, labels, owner, params, uses, measured_from, updates, totals, split)
 
 
 # -- the model ---------------------------------------------------------------------------

@@ -2,15 +2,18 @@
 the trace of a deep model from shallow copies, byte for byte; refused where the step is not
 periodic; and `membench fit`'s answers the same as with every batch run at full depth."""
 import itertools
+import random
+import re
 from dataclasses import replace
 
 import pytest
 
 from bench import fit, models
 from bench.job import Job
-from bench.measure import allocator, capacity, sharded
-from bench.measure.trace_depth import Depth, numbered
+from bench.measure import allocator, capacity, sharded, zero
+from bench.measure.trace_depth import Depth, _across, numbered
 from bench.measure.tracker import labelled_peak
+from bench.method import load
 
 
 def toy_step(layers: int, batch: int = 1, bucket: int | None = None) -> list:
@@ -166,6 +169,15 @@ def test_consecutive_depths_are_needed():
         Depth({3: toy_step(3), 5: toy_step(5), 6: toy_step(6)})
 
 
+def test_links_across_each_point_by_running_count_as_by_counting_each():
+    rng = random.Random(3)
+    for _ in range(200):
+        links = [tuple(sorted(rng.sample(range(60), 2))) for _ in range(rng.randint(0, 30))]
+        lo = rng.randint(0, 40)
+        hi = rng.randint(lo + 1, 61)
+        assert _across(links, lo, hi) == [sum(i < q <= e for i, e in links) for q in range(lo, hi)]
+
+
 def test_a_model_at_another_depth():
     assert models.shape(models.at_depth("llama-7b", 3)) == (4096, 3)
     assert models.shape(models.at_depth("llama-d512-l8-v256", 2)) == (512, 2)
@@ -193,7 +205,7 @@ def test_a_deep_models_trace_from_shallow_copies_is_the_full_ones():
 
 
 @pytest.mark.parametrize("method, world_size, sharding", [("adamw", 1, "none"), ("offload_activations", 1, "none"),
-                                                           ("checkpointing", 8, "fsdp")])
+                                                           ("checkpointing", 8, "fsdp"), ("lomo", 4, "zero3")])
 def test_fit_rows_read_from_shallow_copies_are_the_full_depths_in_every_field(method, world_size, sharding,
                                                                              monkeypatch, capsys):
     """The first batch's split by category, parameter count, host memory and (FSDP2) what
@@ -201,9 +213,51 @@ def test_fit_rows_read_from_shallow_copies_are_the_full_depths_in_every_field(me
     batch run at full depth."""
     def rows(from_depth: int) -> list[dict]:
         monkeypatch.setattr(capacity._Deep, "FROM_DEPTH", from_depth)
-        return fit.answer(model=DEEP, method=method, memory_gb=[0.55], batch_size=8, seq_len=32,
+        capacity._TIMELINES.clear()  # ZeRO's timelines: read anew, or run anew
+        capacity._READERS.clear()
+        # ZeRO's reduce bucket alone is 1 GB in bfloat16 (500M elements): a larger GPU
+        return fit.answer(model=DEEP, method=method, memory_gb=[1.48 if sharding.startswith("zero") else 0.55],
+                          batch_size=8, seq_len=32,
                           dtype="bfloat16", max_batch=64, world_size=world_size, sharding=sharding)
 
     read = rows(8)
-    assert "read from shallow copies: batch 8," in capsys.readouterr().err  # the first batch too
+    said = re.search(r"read from shallow copies: batch ([\d, ]+)", capsys.readouterr().err)
+    assert said and "8" in said.group(1).split(", ")  # the first batch too
     assert read == rows(9) and read[0]["largest_batch"] > 8  # a search beyond the first batch
+
+
+def renumbered(timeline: zero.Timeline) -> zero.Timeline:
+    """A timeline with its storages' keys replaced by allocation numbers (as a trace read
+    from shallow copies has them): what two runs of one step share."""
+    number, events, count = {}, [], 0  # a key -> its storage's number (an address is used again)
+    for event in timeline.events:
+        if event[0] == "alloc":
+            number[event[1]], count = count, count + 1
+        events.append((event[0], number[event[1]], *event[2:]))
+    return replace(timeline, events=events)
+
+
+@pytest.mark.parametrize("method", ["adamw", "lomo", "checkpointing", "lora"])
+def test_a_timeline_read_back_from_its_labelled_trace_is_the_one_kept(method):
+    """Each gradient's parameter, the modules' uses of their parameters, the optimizer steps
+    and the categories, as events (`TimelineTracker(labelled=True)`), read back
+    (`timeline_from_labelled`): the run's own timeline, and another run's unlabelled one."""
+    job = Job(kind="memory", method=method, model="gpt2-tiny", batch_size=4, seq_len=32, simulate=True)
+    timeline, trace, totals = zero.labelled_run(job, load(method))
+    assert timeline.owner and timeline.uses and timeline.backwards
+    assert bool(timeline.updates) == (method != "lomo")  # LOMO updates inside backward, no optimizer step
+    assert zero.timeline_from_labelled(trace, timeline.params, totals) == timeline
+    assert renumbered(zero.record_timeline(job, load(method))) == renumbered(timeline)
+
+
+@pytest.mark.parametrize("method", ["adamw", "lomo", "checkpointing"])
+def test_a_deep_models_zero_timeline_from_shallow_copies_is_the_full_ones(method):
+    """The ZeRO timeline of the 8-block model, read from the copies' labelled traces at the
+    learning batch and (from the 4-block copy) at another: the full-depth run's in every field."""
+    job = Job(kind="memory", method=method, model=DEEP, batch_size=8, seq_len=32, dtype="bfloat16",
+              simulate=True)
+    reader = capacity._DeepTimelines(job)
+    for batch in (8, 24):
+        read, depth = reader.at(batch)
+        assert depth == ("3-6" if batch == 8 else 4)
+        assert read == renumbered(zero.record_timeline(replace(job, batch_size=batch), load(method)))
