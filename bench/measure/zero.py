@@ -223,7 +223,8 @@ class TimelineTracker(MemoryTracker):
         for event in self.events[self._read:]:
             if event[0] == "alloc":
                 self._index[event[1]] = self._count
-                self.labels[self._count] = event[3] if self.labelled else self._live[event[1]][1]
+                # its category now (read right after `_add`: still alive, unless an error cut in)
+                self.labels[self._count] = event[3] if self.labelled else self._live.get(event[1], (0, "other"))[1]
             if event[0] in ("alloc", "free"):
                 self._count += 1
         self._read = len(self.events)
