@@ -59,6 +59,7 @@ import math
 import os
 import pickle
 import tempfile
+import warnings
 from dataclasses import astuple, dataclass, field
 from functools import cached_property
 
@@ -312,7 +313,11 @@ def labelled_run(job: Job, method: Method, labelled: bool = True) -> tuple[Timel
         updates[-1][1] = tracker.count
         tracker.mark("updated")
 
-    with fake or contextlib.nullcontext(), tracker, cuda_kernels():
+    with fake or contextlib.nullcontext(), tracker, cuda_kernels(), warnings.catch_warnings():
+        # the marks' backward hooks on a module whose inputs need no gradient (the embedding's
+        # token ids) fire for its outputs, as the marks want; torch warns of it
+        warnings.filterwarnings("ignore", "Full backward hook is firing when gradients are computed with respect "
+                                          "to module outputs", UserWarning)
         optimizer = method.make_optimizer(model)
         optimizer.register_step_pre_hook(update_starts)
         optimizer.register_step_post_hook(update_ends)
