@@ -369,11 +369,21 @@ class _Deep:
             self.prefix, self.prefix_live, self.n_params = self.full.prefix, self.full.prefix_live, self.full.n_params
         return self.full.measure(batch)
 
+    def _copy(self, depth: int, batch: int) -> tuple[list, dict] | None:
+        """The copy of `depth` blocks at `batch`: its trace and what grows per block in its
+        record (`_rule_from_copies`), or None if its step failed."""
+        record, trace = self._shallow(depth, batch)
+        if record["status"] != "ok":
+            return None
+        return trace, {"n_params": record["n_params"],
+                       "host_peak_bytes": record["memory"].get("host_peak_bytes", 0),
+                       "transfer_bytes": record["memory"].get("transfer_bytes", 0)}
+
     def measure(self, batch_size: int) -> tuple[dict, list]:
         known, first = {}, self.rule is None
         if self.rule:  # read from the copy of SHALLOW[1] blocks
-            known[self.SHALLOW[1]] = record, shallow = self._shallow(self.SHALLOW[1], batch_size)
-            rule = self.rule.read(shallow) if record["status"] == "ok" else None
+            known[self.SHALLOW[1]] = copy = self._copy(self.SHALLOW[1], batch_size)
+            rule = self.rule.read(copy[0]) if copy is not None else None
             deep = rule.at(self.depth) if rule is not None else None
             if deep is not None:
                 trace = _unlabelled(deep)
@@ -384,12 +394,7 @@ class _Deep:
             # the first batch, or a step whose events are not the rule's (chunks per batch,
             # state that changes after the first step): a rule learned at this batch
             read = self._learn(batch_size, known)
-            said = (f"periodic in its {self.depth} blocks: read from copies of {self.SHALLOW[0]}-"
-                    f"{self.SHALLOW[-1]} blocks, checked on one of {self.CHECK}; later batches from a "
-                    f"copy of {self.SHALLOW[1]} blocks" if self.rule else
-                    "not read from shallow copies: this and later batches run at full depth")
-            print(f"[{self.job.method} {self.job.model}] its step at batch {batch_size} is "
-                  + ("" if first else "not the last rule's; it is ") + said, file=sys.stderr, flush=True)
+            _say_rule("step", self.job, batch_size, self.depth, first, learned=bool(self.rule))
             if read is not None:
                 return read
         return self._full(batch_size)
@@ -399,32 +404,14 @@ class _Deep:
         at `batch` read from it (None where there is no rule)."""
         self.rule = False
         try:
-            records = {d: known.get(d) or self._shallow(d, batch) for d in self.SHALLOW}
-            if any(r["status"] != "ok" for r, _ in records.values()):
-                return None
-            rule = trace_depth.Depth({d: trace for d, (_, trace) in records.items()})
-            if not rule.ok:
-                return None
-            records[self.CHECK] = self._shallow(self.CHECK, batch)
-            if records[self.CHECK][0]["status"] != "ok" or rule.at(self.CHECK) != trace_depth.numbered(
-                    records[self.CHECK][1]):
-                return None
+            learned = _rule_from_copies(lambda d: self._copy(d, batch), known)
         except Exception:  # noqa: BLE001 - a model that has no shallow copy runs at full depth
             return None
-        # what grows by the same amount with each block: read on the line through the copies
-        on_line = {}
-        for name, value in (("n_params", lambda r: r["n_params"]),
-                            ("host_peak_bytes", lambda r: r["memory"].get("host_peak_bytes", 0)),
-                            ("transfer_bytes", lambda r: r["memory"].get("transfer_bytes", 0))):
-            y = {d: value(r) for d, (r, _) in records.items()}
-            a, rise = y[self.SHALLOW[0]], y[self.SHALLOW[1]] - y[self.SHALLOW[0]]
-            if any(y[d] != a + rise * (d - self.SHALLOW[0]) for d in y):
-                return None
-            on_line[name] = a + rise * (self.depth - self.SHALLOW[0])
-        labelled = rule.at(self.depth)
-        if labelled is None:  # a free that lands on no allocation of its size
+        on_line = _on_line(learned[1], self.depth) if learned else None
+        labelled = learned[0].at(self.depth) if on_line else None
+        if labelled is None:  # no rule, or a free that lands on no allocation of its size
             return None
-        self.rule, self.n_params = rule, on_line.pop("n_params")
+        self.rule, self.n_params = learned[0], on_line.pop("n_params")
         trace = _unlabelled(labelled)
         if self.prefix is None:
             self.prefix = _unlabelled(labelled[:labelled.index(("mark", "warm-up"))])
@@ -443,6 +430,46 @@ class _Deep:
     def close(self) -> None:
         """End the fake process group (under FSDP2)."""
         self.group.close()
+
+
+def _rule_from_copies(run, known: dict) -> tuple[trace_depth.Depth, dict] | None:
+    """The depth rule learned from the copies of `_Deep.SHALLOW` blocks, where it gives the copy
+    of `_Deep.CHECK` blocks byte for byte, and every copy's run by its depth; None where there
+    is none. `run(depth)`: a copy's (trace, what grows per block) at one batch, or None if it
+    failed; `known`: the runs already made."""
+    runs = {d: known[d] if d in known else run(d) for d in _Deep.SHALLOW}
+    if any(r is None for r in runs.values()):
+        return None
+    rule = trace_depth.Depth({d: trace for d, (trace, _) in runs.items()})
+    if not rule.ok:
+        return None
+    runs[_Deep.CHECK] = run(_Deep.CHECK)
+    if runs[_Deep.CHECK] is None or rule.at(_Deep.CHECK) != trace_depth.numbered(runs[_Deep.CHECK][0]):
+        return None
+    return rule, runs
+
+
+def _on_line(runs: dict, depth: int) -> dict | None:
+    """What grows by the same amount with each block (each run's values, by the copy's depth)
+    at `depth`, on the line through the copies; None where the line does not hold at every one."""
+    lo, hi = _Deep.SHALLOW[:2]
+    out = {}
+    for name in runs[lo][1]:
+        y = {d: values[name] for d, (_, values) in runs.items()}
+        rise = y[hi] - y[lo]
+        if any(y[d] != y[lo] + rise * (d - lo) for d in y):
+            return None
+        out[name] = y[lo] + rise * (depth - lo)
+    return out
+
+
+def _say_rule(what: str, job: Job, batch: int, depth: int, first: bool, learned: bool) -> None:
+    """The progress line of a rule learned (or not) from the copies at `batch`: `what` is read."""
+    said = (f"periodic in its {depth} blocks: read from copies of {_Deep.SHALLOW[0]}-{_Deep.SHALLOW[-1]} "
+            f"blocks, checked on one of {_Deep.CHECK}; later batches from a copy of {_Deep.SHALLOW[1]} blocks"
+            if learned else "not read from shallow copies: this and later batches run at full depth")
+    print(f"[{job.method} {job.model}] its {what} at batch {batch} is "
+          + ("" if first else "not the last rule's; it is ") + said, file=sys.stderr, flush=True)
 
 
 def _alive_at_end(trace: list) -> dict:
@@ -563,49 +590,36 @@ class _DeepTimelines:
     def _read(self, batch: int) -> tuple | None:
         from bench.measure import zero
 
-        runs, first = {}, self.rule is None
-        shallow, check = _Deep.SHALLOW, _Deep.CHECK
-        if self.rule:
-            runs[shallow[1]] = self._run(shallow[1], batch)
-            rule = self.rule.read(runs[shallow[1]][0]) if runs[shallow[1]] else None
+        known, first = {}, self.rule is None
+        if self.rule:  # read from the copy of SHALLOW[1] blocks
+            known[_Deep.SHALLOW[1]] = copy = self._run(_Deep.SHALLOW[1], batch)
+            rule = self.rule.read(copy[0]) if copy is not None else None
             deep = rule.at(self.depth) if rule is not None else None
             if deep is not None:
-                return zero.timeline_from_labelled(deep, self.params, self.totals), shallow[1]
+                return zero.timeline_from_labelled(deep, self.params, self.totals), _Deep.SHALLOW[1]
         if self.rule is False:
             return None
         self.rule = False  # until one is learned at this batch
-        for d in shallow:
-            if d not in runs:
-                runs[d] = self._run(d, batch)
-        if any(r is None for r in runs.values()):
-            return None
-        rule = trace_depth.Depth({d: trace for d, (trace, _) in runs.items()})
-        if not rule.ok:
-            return None
-        runs[check] = self._run(check, batch)
-        if runs[check] is None or rule.at(check) != trace_depth.numbered(runs[check][0]):
-            return None
-        totals = {}
-        for name in runs[check][1]:
-            y = {d: t[name] for d, (_, t) in runs.items()}
-            a, rise = y[shallow[0]], y[shallow[1]] - y[shallow[0]]
-            if any(y[d] != a + rise * (d - shallow[0]) for d in y):
-                return None
-            totals[name] = a + rise * (self.depth - shallow[0])
-        deep = rule.at(self.depth)
+        try:
+            read = self._learn(batch, known, first)
+        finally:
+            _say_rule("timeline", self.job, batch, self.depth, first, learned=bool(self.rule))
+        return read
+
+    def _learn(self, batch: int, known: dict, first: bool) -> tuple | None:
+        from bench.measure import zero
+
+        learned = _rule_from_copies(lambda d: self._run(d, batch), known)
+        totals = _on_line(learned[1], self.depth) if learned else None
+        deep = learned[0].at(self.depth) if totals else None
         if deep is None:
             return None
         if first:
             method = load(self.job.method, self.job.hparams)
             model, _ = step.setup(replace(self.job, batch_size=batch), method, step.fake_mode())
             self.params = [(p.numel(), p.element_size(), p.requires_grad) for p in model.parameters()]
-        self.rule, self.totals = rule, totals
-        print(f"[{self.job.method} {self.job.model}] its timeline at batch {batch} is "
-              + ("" if first else "not the last rule's; it is ")
-              + f"periodic in its {self.depth} blocks: read from copies of {shallow[0]}-{shallow[-1]} blocks, "
-                f"checked on one of {check}; later batches from a copy of {shallow[1]} blocks",
-              file=sys.stderr, flush=True)
-        return zero.timeline_from_labelled(deep, self.params, totals), f"{shallow[0]}-{check}"
+        self.rule, self.totals = learned[0], totals
+        return zero.timeline_from_labelled(deep, self.params, totals), f"{_Deep.SHALLOW[0]}-{_Deep.CHECK}"
 
 
 class Oracle:

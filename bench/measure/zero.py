@@ -340,12 +340,12 @@ def labelled_run(job: Job, method: Method, labelled: bool = True) -> tuple[Timel
     params = [(p.numel(), p.element_size(), p.requires_grad) for p in model.parameters()]
     trace = list(tracker.events)  # as the step left them (the model's frees when it goes are not the step's)
     events = [e[:3] for e in trace if e[0] in ("alloc", "free")] if labelled else trace
-    timeline = _timeline(events, dict(tracker.labels), dict(tracker.owner), params, uses, measured_from,
+    timeline = _assemble(events, dict(tracker.labels), dict(tracker.owner), params, uses, measured_from,
                          [tuple(u) for u in updates], totals, tracker.peak_split)
     return timeline, trace, totals
 
 
-def _timeline(events, labels, owner, params, uses, measured_from, updates, totals, split) -> Timeline:
+def _assemble(events, labels, owner, params, uses, measured_from, updates, totals, split) -> Timeline:
     backwards = []  # a backward's gradients: from its first to its last (DeepSpeed's hooks run at each)
     for lo, hi in ((0, measured_from), (measured_from, len(events))):
         made = [i for i in owner if lo <= i < hi]
@@ -371,7 +371,7 @@ def timeline_from_labelled(trace: list, params: list, totals: dict) -> Timeline:
         if kind == "alloc":
             index[event[1]] = len(events)
             labels[len(events)] = event[3]
-            if event[3] == "param" and len(param_of) < len(params) and not events[len(param_of):]:
+            if event[3] == "param" and len(events) == len(param_of) < len(params):  # the first allocations
                 param_of[event[1]] = len(param_of)
             events.append(event[:3])
         elif kind == "free":
@@ -396,7 +396,7 @@ def timeline_from_labelled(trace: list, params: list, totals: dict) -> Timeline:
         elif event == ("mark", "updated"):
             updates[-1] = (updates[-1][0], len(events))
     split, _ = labelled_peak(trace)
-    return _timeline(events, labels, owner, params, uses, measured_from, updates, totals, split)
+    return _assemble(events, labels, owner, params, uses, measured_from, updates, totals, split)
 
 
 # -- the model ---------------------------------------------------------------------------
