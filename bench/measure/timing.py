@@ -40,6 +40,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from bench.job import JOB_DEFAULTS
@@ -61,13 +62,22 @@ BETWEEN_RUNS_SD = JOB_DEFAULTS["between_runs_sd"]
 
 
 def bootstrap_median(ratios: list[float], seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
-    """Median of `ratios` and its `level` percentile-bootstrap interval (seeded)."""
-    rng = random.Random(seed)
+    """Median of `ratios` and its `level` percentile-bootstrap interval (seeded).
+
+    The resamples are `random.Random(seed).choices(ratios, k=n)`, drawn all at once: numpy's
+    legacy generator seeded with the same key (the seed's 32-bit words) is the same Mersenne
+    Twister and makes its doubles the same way, so the picks, and the interval, are Python's."""
     n = len(ratios)
-    medians = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(BOOTSTRAP_SAMPLES))
+    key, rest = [], abs(seed)
+    while not key or rest:
+        key.append(rest & 0xFFFFFFFF)
+        rest >>= 32
+    draws = np.random.RandomState(key).random_sample((BOOTSTRAP_SAMPLES, n))
+    picks = np.asarray(ratios, dtype=float)[np.floor(draws * float(n)).astype(np.intp)]
+    medians = np.sort(np.median(picks, axis=1))
     tail = (1 - level) / 2
-    lo = medians[int(tail * (BOOTSTRAP_SAMPLES - 1))]
-    hi = medians[int((1 - tail) * (BOOTSTRAP_SAMPLES - 1))]
+    lo = float(medians[int(tail * (BOOTSTRAP_SAMPLES - 1))])
+    hi = float(medians[int((1 - tail) * (BOOTSTRAP_SAMPLES - 1))])
     return statistics.median(ratios), lo, hi
 
 

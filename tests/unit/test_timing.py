@@ -3,6 +3,7 @@ itself, and a panel of methods timed beside one baseline."""
 import json
 import math
 import random
+import statistics
 import subprocess
 import sys
 
@@ -31,6 +32,22 @@ def test_bootstrap_interval_covers_the_true_ratio_at_about_its_nominal_rate():
         _, lo, hi = timing.bootstrap_median([tb / ta for ta, tb in zip(a, b)], seed=t)
         covered += lo <= true <= hi
     assert 0.85 <= covered / trials <= 0.995  # nominal 0.95
+
+
+def test_bootstrap_resamples_are_pythons_own_choices():
+    """The resamples drawn at once (numpy) are `random.Random(seed).choices`, pick for pick:
+    the interval equals the one from Python's generator, for odd and even counts and seeds
+    of one and of two 32-bit words."""
+    rng = random.Random(7)
+    for t in range(60):
+        ratios = [rng.lognormvariate(0, 0.2) for _ in range(rng.randint(1, 30))]
+        seed = rng.choice([0, t, -t, 2**32 + t, 2**40 - 1])
+        by_python = random.Random(seed)
+        medians = sorted(statistics.median(by_python.choices(ratios, k=len(ratios)))
+                         for _ in range(timing.BOOTSTRAP_SAMPLES))
+        want = (statistics.median(ratios), medians[int(0.025 * (timing.BOOTSTRAP_SAMPLES - 1))],
+                medians[int(0.975 * (timing.BOOTSTRAP_SAMPLES - 1))])
+        assert timing.bootstrap_median(ratios, seed=seed) == want, (len(ratios), seed)
 
 
 def test_pairing_cancels_drift_that_biases_unpaired_medians():
