@@ -20,7 +20,6 @@ recovery.at_parse(workflow)  # (bench/recovery.py says when it is safe), this ru
 
 from bench.suite import PRIORITY, ConfigError, check, groups, rule_name
 from bench.measure.records import weights_path
-from bench.report.figures import FIGURES
 
 configfile: "config/config.yaml"
 try:
@@ -32,7 +31,10 @@ except ConfigError as e:
 recovery.set_aside_unreadable(JOBS, workflow)  # a planned result that cannot be read runs again
 
 PYTHON = sys.executable
+# each figure (bench.report.figures.FIGURES, the same names: tests/unit/test_plots.py) and its
+# section of the HTML report; read here, so that planning does not import the plotting libraries
 CATEGORIES = yaml.safe_load(open("bench/report/captions/categories.yaml"))
+FIGURES = list(CATEGORIES)
 # The tables gather this suite's jobs and every other suite's results on disk (a
 # result of this suite that it no longer plans is left out: it cannot be remade).
 SUITE_DIR = f"results/runs/{config['suite']}/"

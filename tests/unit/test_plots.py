@@ -150,6 +150,19 @@ def test_tables_agree_with_hand_computation():
         ["adamw", "grad_accum", "zeta_new"]
 
 
+def test_the_workflow_plans_every_figure_drawn_each_with_a_report_section_and_caption():
+    """The Snakefile takes the figures' names from captions/categories.yaml (so that planning
+    does not import the plotting libraries): the same names as the figures drawn."""
+    import yaml
+
+    from conftest import REPO
+
+    captions = REPO / "bench" / "report" / "captions"
+    categories = yaml.safe_load((captions / "categories.yaml").read_text())
+    assert sorted(categories) == sorted(plots.FIGURES)
+    assert all((captions / f"{name}.rst").exists() for name in plots.FIGURES)
+
+
 def test_empty_summary_still_draws_every_figure(tmp_path):
     summary_path = tmp_path / "summary.csv"
     summary_path.write_text(",".join(SUMMARY_COLUMNS) + "\n")
