@@ -1,3 +1,4 @@
+import json
 import sys
 from pathlib import Path
 
@@ -157,12 +158,54 @@ def workflow_copy(tmp_path):
     return copy_workflow(tmp_path)
 
 
+SMOKE = ("--cores", "2", "--config", "suite=smoke")
+KILLED_GROUP = "/memory/"  # the group in flight when the smoke run is killed (it runs last: bench.suite.PRIORITY)
+
+
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory):
-    """A copy of the workflow after one uninterrupted run of the smoke suite (shared: the
-    end-to-end test reads it, the resume test compares with it); the run's output too."""
+    """The smoke suite run as a user whose run died runs it: the command, killed once the
+    memory group has written one of its results (SIGKILL to its whole process group, as a
+    closed terminal or the kernel's OOM killer would), then the same command again, which
+    finishes it. Shared: the end-to-end test reads the finished run (a copy of the
+    workflow), the resume test what the kill left. -> (root, the second run's output,
+    `killed`: the run's state just after the kill)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
     root = copy_workflow(tmp_path_factory.mktemp("smoke"))
-    return root, snakemake(root, "--cores", "2", "--config", "suite=smoke")
+    runs, state = root / "results" / "runs", root / ".snakemake"
+    first = subprocess.Popen([sys.executable, "-m", "snakemake", *SMOKE], cwd=root, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 400
+    while first.poll() is None and time.monotonic() < deadline and not (
+            any(KILLED_GROUP in str(p) for p in runs.rglob("*.json")) and any((state / "incomplete").glob("*"))):
+        time.sleep(0.05)
+    running = first.poll() is None
+    if running:
+        os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    killed = {"running": running, "results": {p: p.read_bytes() for p in runs.rglob("*.json")},
+              "locks": list((state / "locks").glob("*.lock")), "incomplete": marked_incomplete(state)}
+    # files a reader cannot use, beside the suite's (the tables leave them out)
+    foreign = runs / "elsewhere" / "memory" / "gpt2-tiny" / "adamw"
+    foreign.mkdir(parents=True)
+    (foreign / "truncated.json").write_text('{"schema_version": 1, "job": {"kind": "mem')
+    (foreign / "notes.json").write_text(json.dumps({"title": "my notes"}))
+    return root, snakemake(root, *SMOKE), killed
+
+
+def marked_incomplete(state) -> set[str]:
+    """The outputs Snakemake has marked incomplete (their job started and has not finished):
+    each marker under .snakemake/incomplete is named by the output's path in URL-safe base64
+    (split into folders of at most 255 characters, each but the last starting with '@')."""
+    import base64
+
+    base = state / "incomplete"
+    return {base64.urlsafe_b64decode("".join(part.removeprefix("@") for part in p.relative_to(base).parts)).decode()
+            for p in base.rglob("*") if p.is_file() and p.name != "migration_underway"}
 
 
 def snakemake(workdir, *args, timeout=600):

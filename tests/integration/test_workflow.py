@@ -8,14 +8,12 @@ import pytest
 from bench import suite as plan
 from bench.report.aggregate import SUMMARY_COLUMNS
 from bench.report.figures import FIGURES
-from conftest import job_counts, snakemake
-
-SMOKE = ("--cores", "2", "--config", "suite=smoke")
+from conftest import SMOKE, job_counts, snakemake
 
 
 @pytest.mark.xdist_group("smoke_run")  # one worker makes the shared smoke run, and reads it
 def test_smoke_suite_end_to_end(smoke_run):
-    workflow_copy, out = smoke_run
+    workflow_copy, out, _ = smoke_run  # the run, killed once and finished by the same command (test_resume.py)
     assert out.returncode == 0, out.stderr[-3000:]
     results = workflow_copy / "results"
 
@@ -49,7 +47,7 @@ def test_smoke_suite_end_to_end(smoke_run):
             assert (results / "figures" / f"{name}.{ext}").stat().st_size > 1000
     assert (workflow_copy / "paper" / "results.md").stat().st_size > 500
 
-    record = json.loads(next((results / "runs").rglob("*.json")).read_text())
+    record = json.loads(next((results / "runs" / "smoke").rglob("*.json")).read_text())
     assert record["job"]["seed"] in (0, 1) and record["provenance"]["torch_version"]
 
     # a result the suite no longer plans (its list was shortened) is left alone
