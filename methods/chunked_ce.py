@@ -203,6 +203,9 @@ class ChunkedCE(Method):
     ranges = {"chunk": "[1, inf)"}
     choices = {"weight_grad_dtype": ("float32", "param")}
     incompatible = frozenset({"roam"})  # ROAM traces its own copy of the plain loss
+    # not under ZeRO: it uses the head's weight in backward beside the head's forward, which
+    # DeepSpeed ZeRO-3's per-module gather and release (hooks on the head's output) never see
+    shards = ("fsdp",)
 
     def transform_model(self, model):
         use_loss(model, self.loss)

@@ -121,6 +121,9 @@ class OffloadOptimizer(Method):
              "ZeRO-Offload: Democratizing Billion-Scale Model Training, USENIX ATC 2021, arXiv 2101.06840")
     defaults = dict(minimal_size=4096, offload_gradients=False)
     ranges = {"minimal_size": "[1, inf)"}
+    # not under ZeRO: DeepSpeed offloads its own partitioned optimizer (ZeRO-Offload); this host
+    # AdamW beside it is not what it runs, and its step has no torch.optim hooks for the model's marks
+    shards = ("fsdp",)
 
     def make_optimizer(self, model):
         if self.hp["offload_gradients"] and self.hp["micro_batches"] > 1:

@@ -11,8 +11,8 @@ import torch
 
 from bench import models
 from bench.job import Job
-from bench.measure import sharded, zero
-from bench.method import load
+from bench.measure import kinds, sharded, zero
+from bench.method import available, load
 
 F32 = 4
 
@@ -184,3 +184,24 @@ def test_model_equals_deepspeed_on_cpu(timeline, stage):
     for run in zero.deepspeed_ranks(job(), cfg):
         m = zero.model_rank(timeline, cfg, run["rank"])
         assert run["before_update"] == m["before_update"], (stage, run["rank"])
+
+
+# Each method the ZeRO model takes (`shards` True or naming the stages), its timeline recorded
+# on real tensors (the tracker's module and optimizer hooks are those of a fake-tensor run):
+# a method that cannot give one must say so in `shards`, as the planner reads it before any job
+ZERO_METHODS = [m for m in available() if kinds.can_shard(load(m), "zero3")]
+
+
+@pytest.mark.parametrize("method", ZERO_METHODS)
+def test_every_method_the_zero_model_takes_gives_a_timeline(method):
+    job = Job(kind="memory", method=method, model="gpt2-tiny", batch_size=4, seq_len=32, world_size=2,
+              sharding="zero3")
+    timeline = zero.record_timeline(job, load(method))
+    assert timeline.owner and timeline.uses  # each gradient's parameter, each module's use
+    assert timeline.updates or method in ("lomo", "adalomo")  # LOMO updates inside backward
+
+
+def test_the_methods_that_cannot_give_one_are_refused_before_any_job():
+    refused = sorted(set(available()) - set(ZERO_METHODS))
+    assert {"chunked_ce", "offload_optimizer"} <= set(refused)
+    assert all(not kinds.can_shard(load(m), s) for m in refused for s in ("zero1", "zero2", "zero3"))
