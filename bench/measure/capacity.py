@@ -383,8 +383,7 @@ class _Deep:
         known, first = {}, self.rule is None
         if self.rule:  # read from the copy of SHALLOW[1] blocks
             known[self.SHALLOW[1]] = copy = self._copy(self.SHALLOW[1], batch_size)
-            rule = self.rule.read(copy[0]) if copy is not None else None
-            deep = rule.at(self.depth) if rule is not None else None
+            deep = _read_from_copy(self.rule, copy, self.depth)
             if deep is not None:
                 trace = _unlabelled(deep)
                 memory = {"tier": "simulated", **step.predict_gpu(trace, None)}
@@ -447,6 +446,14 @@ def _rule_from_copies(run, known: dict) -> tuple[trace_depth.Depth, dict] | None
     if runs[_Deep.CHECK] is None or rule.at(_Deep.CHECK) != trace_depth.numbered(runs[_Deep.CHECK][0]):
         return None
     return rule, runs
+
+
+def _read_from_copy(rule: trace_depth.Depth, copy: tuple | None, depth: int) -> list | None:
+    """The labelled trace at `depth` read with `rule` from a copy's run at a later batch (its
+    (trace, what grows per block), or None if it failed); None where the copy failed, its
+    events are not the rule's, or a free lands on no allocation of its size."""
+    read = rule.read(copy[0]) if copy is not None else None
+    return read.at(depth) if read is not None else None
 
 
 def _on_line(runs: dict, depth: int) -> dict | None:
@@ -593,8 +600,7 @@ class _DeepTimelines:
         known, first = {}, self.rule is None
         if self.rule:  # read from the copy of SHALLOW[1] blocks
             known[_Deep.SHALLOW[1]] = copy = self._run(_Deep.SHALLOW[1], batch)
-            rule = self.rule.read(copy[0]) if copy is not None else None
-            deep = rule.at(self.depth) if rule is not None else None
+            deep = _read_from_copy(self.rule, copy, self.depth)
             if deep is not None:
                 return zero.timeline_from_labelled(deep, self.params, self.totals), _Deep.SHALLOW[1]
         if self.rule is False:
