@@ -35,9 +35,13 @@ Choices where Mesa differs or leaves freedom:
   and a hard error bound; they cost one min/max pass per saved tensor.
 - Rounding: to nearest (Mesa's kernel rounds stochastically: unbiased, but with up to a
   whole step of error); here deterministic, within half a step.
-- (De)quantizing runs in chunks of `CHUNK_ELEMENTS` (2^20) elements, or of 1/`PIECES` of
-  a tensor larger than PIECES chunks, so its float temporaries stay small whatever the
-  size of the saved tensor, and a paper-sized one takes a bounded number of operations.
+- (De)quantizing runs in `PIECES` (16) chunks of a tensor, or in chunks of `CHUNK_ELEMENTS`
+  (2^10) elements of a smaller one, so its float temporaries stay a sixteenth of the saved
+  tensor, and a paper-sized one takes a bounded number of operations. The small least
+  chunk puts every saved tensor of a paper-sized model (16k elements or more: LLaMA-7B's
+  smallest, the attention's log-sum-exp, has 16k per sequence) in 16 pieces at every batch
+  size, so a step runs the same operations at every batch, and `membench fit` reads most
+  batches from a line through three (docs/fit.md).
 - What is not quantized (kept as saved, counted in `report`):
   parameters and buffers (a Linear's weight is kept by the model anyway: quantizing it would
   add memory), found by storage, so views such as W^T are recognised; integer and bool
@@ -72,7 +76,7 @@ from bench.method import Method
 from methods._common.chunks import chunk_size
 
 LEVELS = 256
-CHUNK_ELEMENTS = 2**20  # elements per chunk, at least
+CHUNK_ELEMENTS = 2**10  # elements per chunk, at least
 PIECES = 16  # chunks of a larger tensor, at most
 
 
@@ -86,8 +90,8 @@ def _step(lo: torch.Tensor, hi: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
 
 
 def _chunk_groups(n_groups: int, group_size: int) -> int:
-    """Groups per chunk: about CHUNK_ELEMENTS elements, or 1/PIECES of a larger tensor; the
-    float temporaries of (de)quantizing stay that small whatever the tensor's size."""
+    """Groups per chunk: 1/PIECES of the tensor, or about CHUNK_ELEMENTS elements of a
+    smaller one; the float temporaries of (de)quantizing stay that small."""
     return max(1, chunk_size(n_groups * group_size, CHUNK_ELEMENTS, PIECES) // group_size)
 
 

@@ -326,9 +326,10 @@ class _Deep:
     from it where that copy's trace has the same events in the same places. A record so read
     has the trace's replay, no split by category (as a record from the batch line,
     `Oracle._from_line`), and `depth`: the shallow depth it was read from. A batch whose step
-    is not the rule's (chunks per batch, state that changes after the first step) learns a
-    rule anew from the copies at that batch, as the first did; where none is learned, that
-    batch and every later one runs at full depth."""
+    is none of the rules' learned so far (chunks per batch, state that changes after the first
+    step) learns a rule anew from the copies at that batch, as the first did, and keeps the
+    earlier ones for later batches; where none is learned, that batch and every later one
+    runs at full depth."""
 
     SHALLOW = (3, 4, 5)
     CHECK = 6
@@ -356,6 +357,7 @@ class _Deep:
         # batch shape anew (ROAM): its step at one batch says nothing of another's
         self.rule: trace_depth.Depth | bool | None = (False if load(job.method, job.hparams).plans_per_shape
                                                       else None)
+        self.rules: list[trace_depth.Depth] = []  # every rule learned, the latest first
 
     def _shallow(self, depth: int, batch: int) -> tuple[dict, list]:
         if depth not in self.shallow:
@@ -383,7 +385,7 @@ class _Deep:
         known, first = {}, self.rule is None
         if self.rule:  # read from the copy of SHALLOW[1] blocks
             known[self.SHALLOW[1]] = copy = self._copy(self.SHALLOW[1], batch_size)
-            deep = _read_from_copy(self.rule, copy, self.depth)
+            deep = _read_from_copy(self.rules, copy, self.depth)
             if deep is not None:
                 trace = _unlabelled(deep)
                 memory = {"tier": "simulated", **step.predict_gpu(trace, None)}
@@ -411,6 +413,7 @@ class _Deep:
         if labelled is None:  # no rule, or a free that lands on no allocation of its size
             return None
         self.rule, self.n_params = learned[0], on_line.pop("n_params")
+        self.rules.insert(0, self.rule)
         trace = _unlabelled(labelled)
         if self.prefix is None:
             self.prefix = _unlabelled(labelled[:labelled.index(("mark", "warm-up"))])
@@ -448,12 +451,16 @@ def _rule_from_copies(run, known: dict) -> tuple[trace_depth.Depth, dict] | None
     return rule, runs
 
 
-def _read_from_copy(rule: trace_depth.Depth, copy: tuple | None, depth: int) -> list | None:
-    """The labelled trace at `depth` read with `rule` from a copy's run at a later batch (its
-    (trace, what grows per block), or None if it failed); None where the copy failed, its
-    events are not the rule's, or a free lands on no allocation of its size."""
-    read = rule.read(copy[0]) if copy is not None else None
-    return read.at(depth) if read is not None else None
+def _read_from_copy(rules: list, copy: tuple | None, depth: int) -> list | None:
+    """The labelled trace at `depth` read from a copy's run at a later batch (its (trace, what
+    grows per block), or None if it failed) with the first of `rules` whose events it has;
+    None where the copy failed, its events are no rule's, or a free lands on no allocation
+    of its size."""
+    for rule in rules if copy is not None else ():
+        read = rule.read(copy[0])
+        if read is not None:
+            return read.at(depth)
+    return None
 
 
 def _on_line(runs: dict, depth: int) -> dict | None:
@@ -476,7 +483,7 @@ def _say_rule(what: str, job: Job, batch: int, depth: int, first: bool, learned:
             f"blocks, checked on one of {_Deep.CHECK}; later batches from a copy of {_Deep.SHALLOW[1]} blocks"
             if learned else "not read from shallow copies: this and later batches run at full depth")
     print(f"[{job.method} {job.model}] its {what} at batch {batch} is "
-          + ("" if first else "not the last rule's; it is ") + said, file=sys.stderr, flush=True)
+          + ("" if first else "not the rules' learned before; it is ") + said, file=sys.stderr, flush=True)
 
 
 def _alive_at_end(trace: list) -> dict:
@@ -571,6 +578,7 @@ class _DeepTimelines:
         self.job = job
         self.depth = models.shape(job.model)[1]
         self.rule: trace_depth.Depth | bool | None = None  # None: not learned yet; False: none
+        self.rules: list[trace_depth.Depth] = []  # every rule learned, the latest first
         self.params: list | None = None  # the full model's (numel, element size, trainable)
         self.totals: dict | None = None  # at full depth, from the line through the copies
 
@@ -600,7 +608,7 @@ class _DeepTimelines:
         known, first = {}, self.rule is None
         if self.rule:  # read from the copy of SHALLOW[1] blocks
             known[_Deep.SHALLOW[1]] = copy = self._run(_Deep.SHALLOW[1], batch)
-            deep = _read_from_copy(self.rule, copy, self.depth)
+            deep = _read_from_copy(self.rules, copy, self.depth)
             if deep is not None:
                 return zero.timeline_from_labelled(deep, self.params, self.totals), _Deep.SHALLOW[1]
         if self.rule is False:
@@ -625,6 +633,7 @@ class _DeepTimelines:
             model, _ = step.setup(replace(self.job, batch_size=batch), method, step.fake_mode())
             self.params = [(p.numel(), p.element_size(), p.requires_grad) for p in model.parameters()]
         self.rule, self.totals = learned[0], totals
+        self.rules.insert(0, self.rule)
         return zero.timeline_from_labelled(deep, self.params, totals), f"{_Deep.SHALLOW[0]}-{_Deep.CHECK}"
 
 

@@ -200,8 +200,14 @@ def test_a_deep_models_trace_from_shallow_copies_is_the_full_ones():
     full = capacity._Simulation(job, 1, cost=False)
     depth = Depth({n: sim.measure(8)[1] for n, sim in sims.items()})
     assert depth.ok and depth.at(8) == numbered(full.measure(8)[1])
-    other = depth.read(sims[4].measure(24)[1])
+    at_24 = sims[4].measure(24)[1]
+    other = depth.read(at_24)
     assert other is not None and other.at(8) == numbered(full.measure(24)[1])
+    # a batch is read with the first of the rules learned so far whose events its copy has
+    toy = Depth({n: toy_step(n) for n in (3, 4, 5)})
+    assert toy.ok and toy.read(at_24) is None
+    assert capacity._read_from_copy([toy, depth], (at_24, {}), 8) == other.at(8)
+    assert capacity._read_from_copy([toy], (at_24, {}), 8) is None
 
 
 # one GPU (with host memory), FSDP2 and ZeRO-3 (plain AdamW on one GPU: every one of them)
