@@ -214,7 +214,8 @@ def test_tiny_model_gradients_stay_close():
 
 @pytest.mark.parametrize("spec, model", [("mesa8bit", "bert-tiny"), ("mesa8bit", "llama-tiny"),
                                          ("checkpointing+mesa8bit", "bert-tiny"),
-                                         ("adama+mesa8bit", "gpt2-tiny")])
+                                         # opt-in (`heavy`): a stack that also accumulates
+                                         pytest.param("adama+mesa8bit", "gpt2-tiny", marks=pytest.mark.heavy)])
 def test_simulated_equals_tracked(tiny_job, spec, model):
     real = runner.run(tiny_job(model=model, method=spec))
     fake = runner.run(tiny_job(model=model, method=spec, simulate=True))

@@ -93,7 +93,10 @@ def test_simulation_accuracy_pairs_the_same_cell():
     assert table["reserved_ratio"].iloc[0] == pytest.approx(1.05)
 
 
-@pytest.mark.parametrize("method", ["adamw", "grad_accum", "adama", "galore", "roam"])
+# grad_accum and AdamA (micro-batches of 4) opt-in (`heavy`): test_fit holds grad_accum's
+# answers from one simulation per search
+@pytest.mark.parametrize("method", ["adamw", pytest.param("grad_accum", marks=pytest.mark.heavy),
+                                    pytest.param("adama", marks=pytest.mark.heavy), "galore", "roam"])
 def test_one_fake_model_per_search_gives_a_memory_jobs_bytes(tiny_job, method):
     unit = 4 if method in ("grad_accum", "adama") else 1
     # ROAM: a second of solver time per plan, as the quick suite gives it (a tiny graph's

@@ -210,9 +210,12 @@ def test_a_deep_models_trace_from_shallow_copies_is_the_full_ones():
     assert capacity._read_from_copy([toy], (at_24, {}), 8) is None
 
 
-# one GPU (with host memory), FSDP2 and ZeRO-3 (plain AdamW on one GPU: every one of them)
-@pytest.mark.parametrize("method, world_size, sharding", [("offload_activations", 1, "none"),
-                                                           ("checkpointing", 8, "fsdp"), ("lomo", 4, "zero3")])
+# one GPU (with host memory), FSDP2 and ZeRO-3 (plain AdamW on one GPU: every one of them);
+# ZeRO-3's opt-in (`heavy`): the default run holds its timeline read from the copies to the
+# full depth's (test_a_deep_models_zero_timeline_from_shallow_copies_is_the_full_ones)
+@pytest.mark.parametrize("method, world_size, sharding", [
+    ("offload_activations", 1, "none"), ("checkpointing", 8, "fsdp"),
+    pytest.param("lomo", 4, "zero3", marks=pytest.mark.heavy)])
 def test_fit_rows_read_from_shallow_copies_are_the_full_depths_in_every_field(method, world_size, sharding,
                                                                              monkeypatch, capsys):
     """The first batch's split by category, parameter count, host memory and (FSDP2) what

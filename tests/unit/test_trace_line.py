@@ -51,7 +51,11 @@ def test_no_line_between_two_shapes_and_none_where_sizes_are_not_whole_bytes():
 # A method whose steps lie on one line (checkpointing), one that accumulates micro-batches and
 # one that releases gradients inside backward; sizes whose answers are batches far from the
 # step's own. (test_fit's held answers hold these and three more methods with the line on.)
-METHODS = ["checkpointing", "grad_accum", "lomo"]
+# LOMO in the default run; checkpointing (a need not affine in the batch) and grad_accum
+# (micro-batches of 4) opt-in (`heavy`): test_fit holds both methods' answers, computed
+# before the line, with the line in use
+HEAVY = pytest.mark.heavy
+METHODS = ["lomo", pytest.param("checkpointing", marks=HEAVY), pytest.param("grad_accum", marks=HEAVY)]
 ASKED = dict(model="gpt2-tiny", batch_size=4, seq_len=32, memory_gb=[0.51, 0.55], max_batch=200,
              dtype="bfloat16")
 
