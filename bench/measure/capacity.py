@@ -741,8 +741,9 @@ class Oracle:
 
     def _follow_line(self, batch: int, record: dict, trace: list | None) -> None:
         """After a step run: it confirms the line, or widens a confirmed one, if it lies on
-        it; else the last two steps make the next line. A step off a confirmed line ends it
-        for this search, and what was computed from it is run again as it is asked for."""
+        it; else the last two steps make the next line. A step off a confirmed line between
+        the steps on it ends it for this search, and what was computed from it is run again
+        as it is asked for; one beyond them leaves it as it is."""
         if self.line is False or record["status"] != "ok":
             return
         # the step run before this one that ran ok (records keep the order they were made in)
@@ -751,6 +752,10 @@ class Oracle:
         if self.line is not None and self.line.holds(batch, trace):
             return
         if self.line is not None and self.line.confirmed:
+            if not self.line.within(batch):
+                # beyond the steps on it, where it computes nothing: it still holds between
+                # them (e.g. a smaller batch whose step is cut into fewer chunks)
+                return
             for b in [b for b, r in self.records.items() if r.get("line")]:
                 del self.records[b], self.traces[b]
             self.line = False
