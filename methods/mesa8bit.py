@@ -105,24 +105,24 @@ def quantize(x: torch.Tensor, group_size: int):
     groups = flat.view(-1, group_size)
     lo, hi = groups.amin(1), groups.amax(1)
     cd = _compute_dtype(x.dtype)
-    step = _step(lo, hi, cd)[:, None]
+    low = lo.to(cd)[:, None]  # once for all chunks: a group's min and step, in cd
+    step = _step(low, hi[:, None], cd)
     codes = torch.empty(groups.shape, dtype=torch.uint8, device=x.device)
     rows = _chunk_groups(len(groups), group_size)  # views of each chunk, made once
-    for g, low, s, c in zip(groups.split(rows), lo[:, None].split(rows), step.split(rows),
-                            codes.split(rows)):
-        q = (g.to(cd) - low.to(cd)).div_(s)
-        c.copy_(q.round_().clamp_(0, LEVELS - 1))
+    for g, lo_g, s, c in zip(groups.split(rows), low.split(rows), step.split(rows), codes.split(rows)):
+        # (x - lo) / s in cd (a bfloat16 chunk is promoted): one float temporary a chunk
+        c.copy_(torch.sub(g, lo_g).div_(s).round_().clamp_(0, LEVELS - 1))
     return codes, lo, hi
 
 
 def dequantize(codes, lo, hi, shape, dtype) -> torch.Tensor:
     cd = _compute_dtype(dtype)
-    step = _step(lo, hi, cd)[:, None]
+    low = lo.to(cd)[:, None]
+    step = _step(low, hi[:, None], cd)
     x = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     rows = _chunk_groups(len(codes), codes.shape[1])
-    for out, c, s, low in zip(x.split(rows), codes.split(rows), step.split(rows),
-                              lo[:, None].split(rows)):
-        out.copy_(c.to(cd).mul_(s).add_(low.to(cd)))
+    for out, c, s, lo_g in zip(x.split(rows), codes.split(rows), step.split(rows), low.split(rows)):
+        out.copy_(torch.addcmul(lo_g, c, s))  # lo + code x step, in cd (the uint8 codes promoted)
     return x.view(-1)[: math.prod(shape)].view(shape)
 
 
