@@ -64,9 +64,12 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         if m % 8:
             piece = torch.cat([piece, piece.new_zeros(8 - m % 8)])
         groups = piece.view(-1, 8)
-        words = torch.zeros(groups.shape[0], dtype=torch.int64, device=codes.device)
-        for j in range(8):
-            words.bitwise_or_(groups[:, j].bitwise_and(mask).to(torch.int64).bitwise_left_shift_(j * bits))
+        # code j of every group in place in one int64 word per group (the views of the eight
+        # positions made at once; each widened, masked and shifted in place)
+        positions = groups.unbind(1)
+        words = positions[0].to(torch.int64).bitwise_and_(mask)
+        for j in range(1, 8):
+            words.bitwise_or_(positions[j].to(torch.int64).bitwise_and_(mask).bitwise_left_shift_(j * bits))
         first, size = start * bits // 8, packed_size(m, bits)
         whole = size == groups.shape[0] * bits  # every chunk but a last one of m % 8 != 0
         data = out[first:first + size] if whole else \
@@ -98,10 +101,10 @@ def unpack(packed: torch.Tensor, bits: int, shape) -> torch.Tensor:
         groups = -(-m // 8)
         if size < groups * bits:
             chunk = torch.cat([chunk, chunk.new_zeros(groups * bits - size)])
-        data = chunk.view(groups, bits)
-        words = torch.zeros(groups, dtype=torch.int64, device=packed.device)
-        for k in range(bits):
-            words.bitwise_or_(data[:, k].to(torch.int64).bitwise_left_shift_(8 * k))
+        data = chunk.view(groups, bits).unbind(1)
+        words = data[0].to(torch.int64)
+        for k in range(1, bits):
+            words.bitwise_or_(data[k].to(torch.int64).bitwise_left_shift_(8 * k))
         for j, code in enumerate(out[start:start + groups * 8].view(groups, 8).unbind(1)):
             code.copy_(torch.bitwise_right_shift(words, j * bits).bitwise_and_(mask))
     return out[:n].view(shape)
