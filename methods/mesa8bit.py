@@ -39,9 +39,9 @@ Choices where Mesa differs or leaves freedom:
   (2^10) elements of a smaller one, so its float temporaries stay a sixteenth of the saved
   tensor, and a paper-sized one takes a bounded number of operations. The small least
   chunk puts every saved tensor of a paper-sized model (16k elements or more: LLaMA-7B's
-  smallest, the attention's log-sum-exp, has 16k per sequence) in 16 pieces at every batch
-  size, so a step runs the same operations at every batch, and `membench fit` reads most
-  batches from a line through three (docs/fit.md).
+  smallest, the attention's log-sum-exp, has 16k a sequence of 512 tokens) in 16 pieces at
+  every batch size, so a step runs the same operations at every batch, and `membench fit`
+  reads most batches from a line through three (docs/fit.md).
 - What is not quantized (kept as saved, counted in `report`):
   parameters and buffers (a Linear's weight is kept by the model anyway: quantizing it would
   add memory), found by storage, so views such as W^T are recognised; integer and bool

@@ -7,6 +7,7 @@ import io
 import pytest
 
 from bench import fit
+from bench.job import Job
 from bench.measure import allocator, capacity
 from bench.measure.trace_line import Line, shape_and_sizes
 
@@ -48,11 +49,9 @@ def test_no_line_between_two_shapes_and_none_where_sizes_are_not_whole_bytes():
     assert Line((2, [("alloc", 1, 10)]), (4, [("alloc", 1, 40)])).at(1) is None  # below zero bytes
 
 
-def test_a_step_off_the_line_beyond_its_steps_leaves_it(monkeypatch, capsys):
+def test_a_step_off_the_line_beyond_its_steps_leaves_it(monkeypatch):
     """A search's line (`capacity.Oracle`): a smaller batch whose step has other events (fewer
     chunks) says nothing of the batches between the steps on the line, which it still computes."""
-    from bench.job import Job
-
     def step(batch):
         events = trace(batch) if batch >= 3 else trace(batch) + [("alloc", 13, 64)]
         return {"status": "ok", "message": None, "n_params": 1,
@@ -66,7 +65,6 @@ def test_a_step_off_the_line_beyond_its_steps_leaves_it(monkeypatch, capsys):
     assert not any(oracle.records[b].get("line") for b in (8, 32, 3, 2))
     oracle.need(20)
     assert oracle.records[20]["line"] == [3, 8, 32] and oracle.traces[20] == oracle.line.at(20)
-    capsys.readouterr()
 
 
 # A method whose steps lie on one line (checkpointing), one that accumulates micro-batches and
