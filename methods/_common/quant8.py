@@ -115,41 +115,47 @@ class Quantized8bit:
             if codes.numel() < (last - first) * BLOCK:  # the short last block of unpadded codes
                 codes = torch.nn.functional.pad(codes, (0, (last - first) * BLOCK - codes.numel()))
         codes = codes.view(last - first, BLOCK)
+        # each value computed as `c s`, `s LOG_RANGE ** ((255 - c) / 254)` or `D[c] s`, by
+        # operations that write in place where they can (fewer temporaries, on fake tensors
+        # fewer tensors made)
         if self.mapping == "linear":
-            x = codes.float() * scale
+            x = codes.float().mul_(scale)
         elif self.mapping == "log":
-            codes = codes.float()
-            x = torch.where(codes > 0, scale * LOG_RANGE ** ((255 - codes) / 254), 0.0)
+            x = torch.pow(LOG_RANGE, codes.float().neg_().add_(255).div_(254)).mul_(scale)
+            x.masked_fill_(codes == 0, 0.0)
         else:
-            x = self.code.values.index_select(0, codes.flatten().int()).view(-1, BLOCK) * scale
-        x = x.flatten()[: stop - start]
+            x = self.code.values.index_select(0, codes.flatten().int()).view(-1, BLOCK).mul_(scale)
+        x = x.flatten()
+        if x.numel() != stop - start:
+            x = x[: stop - start]
         return x.view(self.shape) if whole else x
 
     def encode(self, x: torch.Tensor, start: int = 0) -> None:
         """Store `x`: the whole tensor, or (flat) the elements from `start` on (a multiple
         of BLOCK; `x` ends at a block's end or at the tensor's)."""
-        flat = x.detach().float().flatten()
+        flat = (x.detach() if x.requires_grad else x).float().flatten()
         n = flat.numel()
         first, last = start // BLOCK, -(-(start + n) // BLOCK)
         whole = start == 0 and n == self.numel
-        blocks = torch.nn.functional.pad(flat, (0, (last - first) * BLOCK - n)).view(-1, BLOCK)
+        short = (last - first) * BLOCK - n  # the last block's missing elements: padded with zeros
+        blocks = (torch.nn.functional.pad(flat, (0, short)) if short else flat).view(-1, BLOCK)
         top = blocks.abs().amax(dim=1, keepdim=True)
         scale = self.scale if whole else self.scale[first:last]
-        scale.copy_(torch.where(top > 0, top / 127 if self.mapping == "linear" else top, 1.0))
+        scale.copy_(torch.where(top > 0, top.div_(127) if self.mapping == "linear" else top, 1.0))
+        ratio = blocks / scale
         if self.mapping == "linear":
-            codes = (blocks / scale).round_().clamp_(-127, 127)
+            codes = ratio.round_().clamp_(-127, 127)
         elif self.mapping == "log":
-            ratio = blocks / scale
-            codes = (255 + 254 * ratio.clamp_min(LOG_RANGE).log() / math.log(1 / LOG_RANGE)).round_()
-            codes = torch.where(ratio < LOG_RANGE / 2, 0.0, codes.clamp_(1, 255))
+            zero = ratio < LOG_RANGE / 2
+            codes = ratio.clamp_min_(LOG_RANGE).log_().mul_(254).div_(math.log(1 / LOG_RANGE)).add_(255).round_()
+            codes = codes.clamp_(1, 255).masked_fill_(zero, 0.0)
         else:
-            ratio = blocks / scale
             codes = torch.bucketize(ratio, self.code.bounds, out_int32=True)  # the nearest code
             if self.code.signed:  # keep the sign: a negative value never rounds to 0
-                codes = torch.where((codes == self.code.zero) & (ratio < 0), self.code.zero - 1, codes)
+                codes.masked_fill_((codes == self.code.zero).logical_and_(ratio < 0), self.code.zero - 1)
         if self.padded:
             out = self.codes if whole else self.codes[start:last * BLOCK]
             out.copy_(codes.flatten())
         else:
             out = self.codes if whole else self.codes[start:start + n]
-            out.copy_(codes.flatten()[:n])
+            out.copy_(codes.flatten() if short == 0 else codes.flatten()[:n])

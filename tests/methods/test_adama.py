@@ -168,6 +168,28 @@ def test_8bit_constant_and_zero_blocks(mapping):
         torch.testing.assert_close(q.decode(), torch.full((10,), value))  # no NaN
 
 
+@pytest.mark.parametrize("mapping", ["linear", "log"])
+def test_8bit_encode_holds_one_float_temporary_of_the_tensor_at_a_time(mapping):
+    """A float32 tensor of whole blocks is quantised without a padded copy of it: of the
+    tensor-sized allocations the encode makes (a float32 temporary each), at most one is
+    alive at a time (the padding copy made it two for every moment AdamA folds)."""
+    x = _values(64 * BLOCK, signed=mapping == "linear")
+    q = Quantized8bit(x.shape, "cpu", mapping)
+    events: list = []
+    with MemoryTracker(events=events):
+        q.encode(x)
+    freed = {e[1] for e in events if e[0] == "free"}  # its temporaries (x itself is seen, not freed)
+    alive, most, made = set(), 0, 0
+    for event in events:
+        if event[0] == "alloc" and event[1] in freed and event[2] == x.numel() * 4:
+            alive.add(event[1])
+            made += 1
+        elif event[0] == "free":
+            alive.discard(event[1])
+        most = max(most, len(alive))
+    assert made >= 1 and most == 1
+
+
 @pytest.mark.parametrize("state_dtype, rtol", [("bfloat16", 2e-2), ("int8", 5e-2)])
 def test_low_precision_states_track_float32(state_dtype, rtol):
     ref, low = tiny_model(torch.float32), tiny_model(torch.float32)
