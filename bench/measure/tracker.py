@@ -340,6 +340,8 @@ class MemoryTracker(TorchDispatchMode, Tracker):
     # -- dispatch ----------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is _DEVICE:  # a tensor's device (asked by autograd, most of a backward's calls): no tensor made
+            return out
         category = "activation" if _recomputing() else "other"
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -433,6 +435,9 @@ class _Saved:
 
     def get(self) -> torch.Tensor:
         return self.tensor
+
+
+_DEVICE = torch.ops.prim.device.default
 
 
 def _recomputing() -> bool:
