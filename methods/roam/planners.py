@@ -20,9 +20,9 @@ Orders (each a topological order of the graph):
   run as soon as they are ready, which never raises the peak, so they get no time steps.
 - `refine_order`: the decomposition for large graphs. Memory outside a window of
   consecutive steps does not depend on the order inside it, so each window is a
-  subtask: the window around the current peak is re-solved exactly (CP-SAT, with a time
-  limit, hinted with the current order) and stitched back; repeat at the new peak until
-  no window there improves or the time is spent. (ROAM decomposes into nested
+  subtask: the window around the current peak is re-solved exactly (CP-SAT, hinted with
+  the current order) and stitched back; repeat at the new peak until no window there
+  improves or the solver's budget is spent. (ROAM decomposes into nested
   forward/backward segment pairs and solves them in parallel; this uses windows of the
   order instead.)
 
@@ -36,6 +36,12 @@ Layouts (byte offset per created storage; resident inputs sit below, from 0):
   (lowest gap; longest-lived first; allocation order) are tried too and the best kept.
 - `exact_layout`: CP-SAT's 2-D no-overlap (time x address) minimising the peak address,
   for small graphs, hinted with the best fit.
+
+The solver's budget (`time_limit`) is in CP-SAT's deterministic time (its count of work,
+in about seconds of one core), and its workers search in a fixed interleaving: a plan is
+the same on any machine, under any load, every time it is made (a limit in seconds of
+wall clock made it depend on both: two plans of one Mistral-7B step at the limit were two
+orders).
 
 A layout's peak address is at least the order's peak live bytes; the difference is
 fragmentation.
@@ -257,13 +263,27 @@ class WindowResult:
     window_peak: int  # solver's peak over the window
     status: str  # OPTIMAL / FEASIBLE / ...
     seconds: float
+    work: float  # the solver's deterministic time
 
 
-def solve_window(graph: StepGraph, order: list, a: int, b: int, time_limit: float,
+def _solver(budget: float, workers: int):
+    """A CP-SAT solver that stops after `budget` of deterministic time, its `workers`
+    searching in a fixed interleaving (the same answer on any machine and under any load)."""
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_deterministic_time = max(0.01, budget)
+    solver.parameters.num_workers = workers
+    solver.parameters.interleave_search = True
+    return solver
+
+
+def solve_window(graph: StepGraph, order: list, a: int, b: int, budget: float,
                  workers: int = 2) -> WindowResult | None:
     """Re-order `order[a:b]` to minimise the peak live bytes inside the window, exactly
-    (within `time_limit` seconds). The rest of the order is unchanged. None when the
-    window holds fewer than two allocating ops or no solution was found in time."""
+    (within `budget` of the solver's deterministic time). The rest of the order is
+    unchanged. None when the window holds fewer than two allocating ops; a result with
+    `order` None when no solution was found within the budget."""
     from ortools.sat.python import cp_model
 
     started = time.perf_counter()
@@ -435,19 +455,18 @@ def solve_window(graph: StepGraph, order: list, a: int, b: int, time_limit: floa
     hint[peak] = max([0] + [const[t] + sum(c * hv(v) for c, v in terms[t]) for t in range(m)])
     for v, value in hint.items():
         model.AddHint(v, value)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, time_limit - (time.perf_counter() - started))
-    solver.parameters.num_workers = workers
+    solver = _solver(budget, workers)
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
+        return WindowResult(None, 0, solver.StatusName(status), time.perf_counter() - started,
+                            solver.deterministic_time)
     when = {o: next((t for t in range(m) if _value(solver, d(o, t))), m) for o in alloc_ops}
     alloc_seq = sorted(alloc_ops, key=lambda o: (when[o], local[o]))
     new_window = _expand(graph, window, alloc_seq)
     new_order = order[:a] + new_window + order[b:]
     window_peak = int(solver.ObjectiveValue()) * unit + background
     return WindowResult(new_order, window_peak, solver.StatusName(status),
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, solver.deterministic_time)
 
 
 def _value(solver, x) -> int:
@@ -482,10 +501,11 @@ def _expand(graph: StepGraph, window: list, alloc_seq: list) -> list:
 
 def exact_order(graph: StepGraph, time_limit: float = 10.0, initial: list | None = None,
                 workers: int = 2) -> tuple[list, str]:
-    """The whole graph as one CP-SAT problem; returns (order, solver status)."""
+    """The whole graph as one CP-SAT problem (`time_limit`: the solver's deterministic
+    time); returns (order, solver status)."""
     order = list(initial) if initial is not None else greedy_order(graph)
     res = solve_window(graph, order, 0, len(order), time_limit, workers)
-    if res is None:
+    if res is None or res.order is None:
         return order, "UNKNOWN"
     if simulate(graph, res.order).peak > simulate(graph, order).peak:
         return order, res.status  # a time-limited solution worse than the hint
@@ -495,16 +515,16 @@ def exact_order(graph: StepGraph, time_limit: float = 10.0, initial: list | None
 def refine_order(graph: StepGraph, order: list, time_limit: float = 5.0, window: int = 20,
                  workers: int = 2) -> tuple[list, dict]:
     """Re-solve windows of `window` allocating ops around the current peak exactly, each
-    with the time that is left; when no window at the peak improves, double the window
-    (up to the whole graph). Stops when the whole graph is solved or `time_limit` seconds
-    are spent. Returns (order, stats)."""
-    started = time.perf_counter()
+    with the budget that is left; when no window at the peak improves, double the window
+    (up to the whole graph). Stops when the whole graph is solved or the solver has spent
+    `time_limit` of deterministic time. Returns (order, stats)."""
+    started, spent = time.perf_counter(), 0.0
     order = list(order)
     prof = simulate(graph, order)
     n_alloc = sum(not graph.is_free(i) for i in range(len(graph)))
     stats = {"windows": 0, "improved": 0, "optimal_windows": 0, "largest_window": 0}
     tried: set = set()
-    while time.perf_counter() - started < time_limit:
+    while spent < time_limit:
         peak_steps = [t for t, x in enumerate(prof.live) if x == prof.peak]
         candidates = []
         for t in peak_steps[:3]:
@@ -514,7 +534,7 @@ def refine_order(graph: StepGraph, order: list, time_limit: float = 5.0, window:
                     candidates.append((a, b))
         improved = False
         for a, b in candidates:
-            left = time_limit - (time.perf_counter() - started)
+            left = time_limit - spent
             if left <= 0.05:
                 break
             tried.add((a, b, prof.peak))
@@ -523,6 +543,9 @@ def refine_order(graph: StepGraph, order: list, time_limit: float = 5.0, window:
             stats["windows"] += 1
             stats["largest_window"] = max(stats["largest_window"], min(window, n_alloc))
             if res is None:
+                continue
+            spent += res.work
+            if res.order is None:
                 continue
             stats["optimal_windows"] += res.status == "OPTIMAL"
             new = simulate(graph, res.order)
@@ -536,6 +559,7 @@ def refine_order(graph: StepGraph, order: list, time_limit: float = 5.0, window:
                 break
             window = min(2 * window, n_alloc)
     stats["seconds"] = time.perf_counter() - started
+    stats["work"] = round(spent, 3)
     return order, stats
 
 
@@ -576,7 +600,7 @@ def plan(graph: StepGraph, planner: str = "roam", time_limit: float = 5.0,
     """Plan an order with `planner` (one of PLANNERS); see the module docstring.
     `roam`: the best heuristic, then the exact solver on the whole graph when it has at
     most `exact_max_ops` allocating ops, else refined window by window; `time_limit`
-    bounds the solver's time."""
+    bounds the solver's deterministic time (module docstring)."""
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; known: {', '.join(PLANNERS)}")
     started = time.perf_counter()
@@ -596,12 +620,11 @@ def plan(graph: StepGraph, planner: str = "roam", time_limit: float = 5.0,
     best = min(candidates, key=lambda k: (candidates[k], k != "greedy"))
     order, status, stats = orders[best], "", {"start": best}
     n_alloc = sum(not graph.is_free(i) for i in range(len(graph)))
-    left = max(0.1, time_limit - (time.perf_counter() - started))
     if planner == "exact" or n_alloc <= exact_max_ops:
-        order, status = exact_order(graph, left, order, workers)
+        order, status = exact_order(graph, time_limit, order, workers)
         stats["mode"] = "exact"
     else:
-        order, more = refine_order(graph, order, left, window, workers)
+        order, more = refine_order(graph, order, time_limit, window, workers)
         stats.update(more, mode="windows")
     peak = simulate(graph, order).peak
     return Plan(order, planner, peak, default_peak, candidates, time.perf_counter() - started,
@@ -722,9 +745,7 @@ def exact_layout(graph: StepGraph, order, time_limit: float = 5.0, workers: int 
         offs[s] = off
     model.AddNoOverlap2D(xs, ys)
     model.Minimize(peak)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit
-    solver.parameters.num_workers = workers
+    solver = _solver(time_limit, workers)
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return hint, solver.StatusName(status)

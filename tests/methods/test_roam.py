@@ -201,8 +201,8 @@ def test_every_order_respects_dependencies(steps):
         orders = heuristic_orders(g)
         if len(g) <= 40:
             orders["exact"] = P.exact_order(g, 2.0)[0]
-        orders["roam"] = P.plan(g, "roam", time_limit=0.3).order
-        orders["refined"] = P.refine_order(g, orders["default"], 0.3, window=4)[0]
+        orders["roam"] = P.plan(g, "roam", time_limit=0.1).order
+        orders["refined"] = P.refine_order(g, orders["default"], 0.1, window=4)[0]
         for name, order in orders.items():
             assert g.is_topological(order), (k, name)
 
@@ -312,10 +312,14 @@ def test_windows_never_raise_the_peak_and_reach_the_optimum():
 
 def test_plan_on_a_model_graph(steps):
     g = steps["llama-tiny"][0].capture.graph
-    plan = P.plan(g, "roam", time_limit=1.0)
+    plan = P.plan(g, "roam", time_limit=0.3)
     assert plan.peak <= min(plan.candidates.values()) <= plan.default_peak
     assert plan.peak == G.simulate(g, plan.order).peak
-    assert plan.seconds < 5
+    # the budget is the solver's deterministic time, its workers interleaved in a fixed
+    # order: the same plan every time (a limit in seconds of wall clock gave another order
+    # when the machine was busier); no window starts once it is spent
+    assert plan.stats["mode"] == "windows" and plan.stats["work"] > 0
+    assert P.plan(g, "roam", time_limit=0.3).order == plan.order
     with pytest.raises(ValueError, match="unknown planner"):
         P.plan(g, "fastest")
 
@@ -348,7 +352,7 @@ def test_roam_step_equals_eager_adamw_fp64():
     torch.manual_seed(0)
     planned = models.build("gpt2-tiny", dropout=0.0).to(torch.float64)
     adamw = load("adamw", {"weight_decay": 0.1})
-    roam = load("roam", {"weight_decay": 0.1, "time_limit": 0.5, "layout": "none"})
+    roam = load("roam", {"weight_decay": 0.1, "time_limit": 0.2, "layout": "none"})
     opt_e, opt_r = adamw.make_optimizer(eager), roam.make_optimizer(planned)
     for step in range(3):  # the first step is the trace; later ones run the plan
         b = batch(4, 32, seed=step)
@@ -358,7 +362,6 @@ def test_roam_step_equals_eager_adamw_fp64():
         for (name, p), q in zip(eager.named_parameters(), planned.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-10, atol=1e-12, msg=name)
     assert roam.report["predicted_peak_bytes"] <= roam.report["predicted_default_peak_bytes"]
-    assert roam.report["plan_s"] < 10
 
 
 def test_roam_keeps_dropout_draws_of_eager():
@@ -385,7 +388,7 @@ def test_memory_job_runs_the_plan_and_matches_its_prediction():
     for key in ("graph_ops", "graph_tensors", "planner", "plan_s", "predicted_default_peak_bytes",
                 "predicted_peak_bytes", "layout_peak_address_bytes"):
         assert key in rep, key
-    assert rep["graph_ops"] > 100 and rep["planner"] == "roam" and rep["plan_s"] < 10
+    assert rep["graph_ops"] > 100 and rep["planner"] == "roam" and rep["plan_work"] > 0
     assert rep["predicted_peak_bytes"] <= rep["predicted_default_peak_bytes"]
     assert rep["layout_peak_address_bytes"] >= rep["predicted_peak_bytes"]
     # The tracker also counts what lies outside the graph: AdamW's per-parameter `step`
@@ -402,7 +405,7 @@ def test_memory_job_runs_the_plan_and_matches_its_prediction():
 
 
 def test_simulated_tier_equals_tracked(tiny_job):
-    job = dict(method="roam", model="bert-tiny", hparams={"time_limit": 0.5})
+    job = dict(method="roam", model="bert-tiny", hparams={"time_limit": 0.2})
     real = runner.run(tiny_job(**job))
     fake = runner.run(tiny_job(simulate=True, **job))
     assert real["status"] == fake["status"] == "ok", fake.get("message")
