@@ -507,7 +507,7 @@ def exact_order(graph: StepGraph, time_limit: float = 10.0, initial: list | None
     if res is None or res.order is None:
         return order, "UNKNOWN"
     if simulate(graph, res.order).peak > simulate(graph, order).peak:
-        return order, res.status  # a time-limited solution worse than the hint
+        return order, res.status  # a solution cut short by the budget, worse than the hint
     return res.order, res.status
 
 
