@@ -191,7 +191,9 @@ class ShardedTracker(MemoryTracker):
     # -- what sharding adds ---------------------------------------------------------
     def sharding_now(self) -> dict[str, int]:
         out = dict.fromkeys(SHARDING_PARTS, 0)
-        for key, part in self._part.items():
+        # a copy: in a real gloo run, gloo's own thread can drop the last reference to a
+        # buffer (its free, `_free`, runs there) while this one reads
+        for key, part in list(self._part.items()):
             entry = self._live.get(key)
             if entry is not None and entry[1] == "other":
                 out[part] += entry[0]
