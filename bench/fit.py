@@ -396,10 +396,11 @@ def answer_all(todo: list[dict], jobs: int = 1) -> list[dict]:
     jobs = max(1, min(jobs, len(todo)))
     if jobs == 1:
         return [row for task in todo for row in answer_layouts(task)]
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads
+    from bench import workers
+
+    context = workers.context()  # forks of a fresh interpreter that imported torch once
     lines = context.Queue()
     relay = threading.Thread(target=_relay, args=(lines, sys.stderr), daemon=True)
     relay.start()

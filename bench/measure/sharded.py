@@ -539,22 +539,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What the rank processes' fork server imports once, before it forks them: torch, this
-# module, the models' and methods' code, transformers' model code (about 7 s of start-up on
-# a slow core that each spawned rank paid again, every job)
-PRELOAD = ["bench.measure.sharded", "bench.measure.step", "bench.method", "transformers.modeling_utils"]
-
-
 def start_ranks(main, args: tuple, world_size: int) -> None:
     """Run `main(rank, *args)` in `world_size` processes and wait for them all (a failing
-    rank fails the call with its traceback). They are forked by `multiprocessing`'s fork
-    server, a fresh process that has imported PRELOAD and never run a tensor operation (so
-    no thread pool is forked), started once per process that asks."""
-    import multiprocessing
-
+    rank fails the call with its traceback), forked by the fork server of `bench.workers`."""
     import torch.multiprocessing as mp
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    from bench import workers
+
+    workers.context()
     mp.start_processes(main, args=args, nprocs=world_size, join=True, start_method="forkserver")
 
 
