@@ -99,7 +99,7 @@ def test_simulation_accuracy_pairs_the_same_cell():
                                     pytest.param("adama", marks=pytest.mark.heavy), "galore", "roam"])
 def test_one_fake_model_per_search_gives_a_memory_jobs_bytes(tiny_job, method):
     unit = 4 if method in ("grad_accum", "adama") else 1
-    # ROAM: the quick suite's solver budget per plan
+    # ROAM: a twentieth of its default solver budget per plan (the same code path; plans are deterministic)
     hparams = {"time_limit": 0.05} if method == "roam" else {}
     sim = capacity._Simulation(tiny_job(kind="capacity", method=method, seq_len=64,
                                         simulate=True, hparams=hparams), unit)
