@@ -546,7 +546,7 @@ def start_ranks(main, args: tuple, world_size: int) -> None:
 
     from bench import workers
 
-    workers.context()
+    workers.context()  # the fork server's preload, set before start_processes starts it
     mp.start_processes(main, args=args, nprocs=world_size, join=True, start_method="forkserver")
 
 

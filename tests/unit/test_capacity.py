@@ -4,6 +4,7 @@ import random
 import pytest
 
 from bench.measure import allocator, capacity, runner
+from conftest import PAIR_HPARAMS
 
 MiB = 2**20
 
@@ -99,8 +100,7 @@ def test_simulation_accuracy_pairs_the_same_cell():
                                     pytest.param("adama", marks=pytest.mark.heavy), "galore", "roam"])
 def test_one_fake_model_per_search_gives_a_memory_jobs_bytes(tiny_job, method):
     unit = 4 if method in ("grad_accum", "adama") else 1
-    # ROAM: a twentieth of its default solver budget per plan (the same code path; plans are deterministic)
-    hparams = {"time_limit": 0.05} if method == "roam" else {}
+    hparams = PAIR_HPARAMS.get(method, {})  # ROAM's budget as in its memory pair
     sim = capacity._Simulation(tiny_job(kind="capacity", method=method, seq_len=64,
                                         simulate=True, hparams=hparams), unit)
     alone = {}  # batch -> its memory job: batch 8 is measured twice, its memory job run once
