@@ -3,9 +3,11 @@ watch it, so that every job leaves a row however it ends.
 
 The jobs run one after another in a worker process (`bench.run.work`: one start-up of
 torch for them all; a CUDA job gets a worker of its own, so the allocator's peak starts
-from nothing). The worker says on a pipe which job it starts and which it finished. This
-process stays small (it never imports torch) and writes the row of a job the worker
-could not write itself:
+from nothing). Workers are forks of a fork server (`bench.workers`) that imported torch and
+transformers' model code once, so a worker started after a fault costs a fork, not those
+imports again. The worker says on a pipe which job it starts and which it finished. This
+process stays small (it never imports torch: the fork server does) and writes the row of a
+job the worker could not write itself:
 
 - past its time limit (`Job.time_limit`): the job's own limit ends it first, from inside,
   with a `timeout` row and what it had measured; a job stuck in C code (a collective
@@ -24,13 +26,18 @@ import json
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench import workers
 from bench.job import Job, JobError
 from bench.measure import records
+
+
+# what the fork server imports: what a job needs before it starts (not the fit and sharded
+# code that bench.workers.PRELOAD adds for its other callers)
+PRELOAD = ["bench.run", "transformers.modeling_utils"]
 
 
 def grace(limit: float) -> float:
@@ -49,8 +56,6 @@ def main(argv=None) -> int:
     p.add_argument("jobs", nargs="?", help="a JSON file: a list of {job, out}")
     p.add_argument("--jobs-json", help="the same list as JSON text (instead of a file)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (at least 1)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--progress-fd", type=int, default=None, help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
     if (opts.jobs is None) == (opts.jobs_json is None):
         p.error("give a JSON file or --jobs-json, not both")
@@ -64,10 +69,6 @@ def main(argv=None) -> int:
     except JobError as e:
         p.error(str(e))
     entries = [{"job": job.to_dict(), "out": e["out"]} for job, e in zip(jobs, entries)]
-    if opts.worker:
-        from bench.run import work
-
-        return work(entries, opts.progress_fd)
     return supervise(entries, jobs)
 
 
@@ -97,12 +98,13 @@ def supervise(entries: list[dict], jobs: list[Job]) -> int:
 def _watch(entries, jobs, chunk: list[int]) -> tuple[set, list, tuple]:
     """Run `chunk` in a worker until it exits or a job overruns; the jobs it finished, the
     ones it had started and not finished, and how it ended (status, message, seconds)."""
-    read_end, write_end = os.pipe()
-    cmd = [sys.executable, "-m", "bench", "many", "--worker", "--progress-fd", str(write_end),
-           "--jobs-json", json.dumps([entries[i] for i in chunk], separators=(",", ":"))]
+    forks = workers.context(PRELOAD)
+    reader, writer = forks.Pipe(duplex=False)
     oom_kills = _oom_kills()
-    worker = subprocess.Popen(cmd, pass_fds=(write_end,))
-    os.close(write_end)
+    worker = forks.Process(target=_work, args=([entries[i] for i in chunk], writer), name="membench-many-worker")
+    worker.start()
+    writer.close()  # the worker holds the other copy: its exit ends the pipe
+    read_end = reader.fileno()
     finished: set[int] = set()
     current: list[int] = []
     started = time.monotonic()
@@ -130,10 +132,11 @@ def _watch(entries, jobs, chunk: list[int]) -> tuple[set, list, tuple]:
                     finished |= {chunk[k] for k in event["done"]}
                     current = []
     finally:
-        os.close(read_end)
-        if worker.poll() is None and timed_out is None:
+        reader.close()
+        if worker.exitcode is None and timed_out is None:
             worker.kill()  # this process is being stopped: take the worker with it
-        code = worker.wait()
+        worker.join()
+        code = worker.exitcode
     wall = time.monotonic() - started
     if timed_out is not None:
         ending = ("timeout", f"time limit of {timed_out:g} s reached; the job did not return "
@@ -148,6 +151,16 @@ def _watch(entries, jobs, chunk: list[int]) -> tuple[set, list, tuple]:
     else:
         ending = ("error", f"the job's process exited with code {code} (its log says why)", wall)
     return finished, current, ending
+
+
+def _work(entries: list[dict], writer) -> None:
+    """A worker (a fork of the fork server): run `entries`, saying on `writer` which job
+    starts and which finished."""
+    from bench.run import work
+
+    progress_fd = os.dup(writer.fileno())  # work() owns its copy
+    writer.close()
+    sys.exit(work(entries, progress_fd))
 
 
 def _oom_kills() -> int:

@@ -172,8 +172,9 @@ def work(entries: list[dict], progress_fd: int | None = None) -> int:
 
 
 def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the process that started it dies (a killed
-    `membench many` leaves no job running on)."""
+    """Linux: this process gets SIGKILL when the process that started it dies (the fork
+    server, which ends when `membench many` does: a killed `membench many` leaves no job
+    running on)."""
     import ctypes
     import signal
 
