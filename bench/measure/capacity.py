@@ -251,7 +251,7 @@ class _Simulation:
         batch = self._batch(unit)
         with self.fake, self.tracker, cuda_kernels():
             self.optimizer = self.method.make_optimizer(self.model)
-            self.method.train_step(self.model, self.optimizer, batch)
+            self.method.warm_up(self.model, self.optimizer, batch)
             del batch
             self.tracker.label(self.method.state_tensors(self.optimizer), "optimizer")
         self.prefix = list(self.events)

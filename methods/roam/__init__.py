@@ -24,6 +24,8 @@ executor: the planned order runs for real.
     every later step:
         step += 1; set the step's AdamW scalars (bias corrections, lr, eps)
         loss <- module(params, exp_avg, exp_avg_sq, scalars, buffers, batch)    (no autograd)
+    a simulated search's warm-up (`warm_up`): step += 1; make the state and the scalars
+        (no trace, no plan: the search traces and plans each shape it measures)
 
 The update is torch's AdamW (decoupled weight decay) in its `capturable` form
 (p <- p + m / (sqrt(v) / (sqrt(bc2) * -lr/bc1) + eps / (-lr/bc1))), so parameters match
@@ -111,6 +113,7 @@ class Roam(Method):
     def __init__(self):
         super().__init__()
         self._compiled: _Compiled | None = None
+        self._warm_scalars: list | None = None
 
     def _require_solver(self):
         hp = self.hp
@@ -128,21 +131,7 @@ class Roam(Method):
 
     # -- the step --------------------------------------------------------------------------
     def train_step(self, model, optimizer, batch):
-        self._require_solver()
-        group = optimizer.param_groups[0]
-        if len(optimizer.param_groups) != 1:
-            raise MethodError("roam: the optimizer must have one parameter group")
-        params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-        states = [self._state(optimizer, p) for p in params.values()]
-        for st in states:
-            st["step"] += 1
-        count = getattr(optimizer, "_roam_step", 0) + 1
-        optimizer._roam_step = count
-        beta1, beta2 = group["betas"]
-        values = stepgraph.adamw_scalars(float(group["lr"]), float(beta1), float(beta2),
-                                         float(group["eps"]), float(group["weight_decay"]), count)
-        key = (id(model), id(optimizer), tuple(values), (beta1, beta2),
-               tuple((k, tuple(v.shape), v.dtype, str(v.device)) for k, v in batch.items()))
+        params, states, values, key = self._count_step(model, optimizer, batch)
         if self._compiled is None or self._compiled.key != key:
             return self._capture_and_plan(model, batch, params, states, values, key)
         c = self._compiled
@@ -160,6 +149,41 @@ class Roam(Method):
             if tracker is not None:
                 _TRACKER.pop()
 
+    def warm_up(self, model, optimizer, batch):
+        """A search's warm-up (`Method.warm_up`): what the first step leaves (the state, the
+        step's scalars, the counts), without tracing and planning its shape: the search
+        traces and plans each shape it measures, outside the tracker, as this step would
+        have been."""
+        _, _, values, _ = self._count_step(model, optimizer, batch)
+        self._compiled = None
+        # held as a captured step holds its own (a list: freed in the same order)
+        self._warm_scalars = list(self._scalars(values).values())
+
+    def _count_step(self, model, optimizer, batch):
+        """Count a step (AdamW's state made where it is missing, its step counts) -> the
+        trained parameters, their states, the step's AdamW scalars, and the key of the
+        plan that runs it."""
+        self._require_solver()
+        group = optimizer.param_groups[0]
+        if len(optimizer.param_groups) != 1:
+            raise MethodError("roam: the optimizer must have one parameter group")
+        params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+        states = [self._state(optimizer, p) for p in params.values()]
+        for st in states:
+            st["step"] += 1
+        count = getattr(optimizer, "_roam_step", 0) + 1
+        optimizer._roam_step = count
+        beta1, beta2 = group["betas"]
+        values = stepgraph.adamw_scalars(float(group["lr"]), float(beta1), float(beta2),
+                                         float(group["eps"]), float(group["weight_decay"]), count)
+        key = (id(model), id(optimizer), tuple(values), (beta1, beta2),
+               tuple((k, tuple(v.shape), v.dtype, str(v.device)) for k, v in batch.items()))
+        return params, states, values, key
+
+    @staticmethod
+    def _scalars(values: dict) -> dict:
+        return {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
+
     @staticmethod
     def _state(optimizer, p):
         state = optimizer.state[p]
@@ -174,8 +198,9 @@ class Roam(Method):
     def _capture_and_plan(self, model, batch, params, states, values, key):
         hp = self.hp
         self._compiled = None
+        self._warm_scalars = None
         tracker = active_tracker()
-        scalars = {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
+        scalars = self._scalars(values)
         result: dict = {}
         with untracked():
             t0 = time.perf_counter()
