@@ -10,6 +10,7 @@ from bench import models
 from bench.measure import runner
 from bench.method import MethodError, load
 from bench.job import Job
+from conftest import memory_pair, pair_group
 from methods.microadam import (INDEX_LIMIT, MicroAdamOptimizer, dequantise, ideal_state_bytes,
                                kept_per_step, quant_step, quantise, state_bytes)
 
@@ -212,9 +213,9 @@ def test_formula():
     assert state_bytes(4096 * 1000) / (4096 * 1000) == pytest.approx(0.9 + 4 / 256, abs=1e-3)
 
 
+@pair_group("microadam")
 def test_state_bytes_equal_the_formula_on_real_and_fake_tensors(tiny_job, one_thread):
-    real = runner.run(tiny_job(method="microadam"))
-    fake = runner.run(tiny_job(method="microadam", simulate=True))
+    real, fake = memory_pair("microadam")  # test_simulated's pair: run once per worker
     bf16 = runner.run(tiny_job(method="microadam", dtype="bfloat16"))
     for r in (real, fake, bf16):
         assert r["status"] == "ok", (r.get("message"), r.get("traceback"))
