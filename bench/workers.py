@@ -16,6 +16,25 @@ def context(preload: list[str] = PRELOAD):
     """The `multiprocessing` context whose processes the fork server forks, which imports
     `preload` as it starts. A process has one fork server: the list of its first start is
     the one used."""
+    _short_socket_folder()
     forkserver = multiprocessing.get_context("forkserver")
     forkserver.set_forkserver_preload(preload)  # read when the server starts (the first process)
     return forkserver
+
+
+def _short_socket_folder() -> None:
+    """The fork server listens on a Unix socket in a folder `multiprocessing` makes under
+    TMPDIR (`pymp-*/listener-*`, 32 characters more); a socket path longer than Linux allows
+    (107 bytes) fails to bind. Where TMPDIR is that long (a cluster's per-job scratch
+    folder), the folder is made under /tmp instead (once: the process keeps it)."""
+    import os
+    import tempfile
+    from multiprocessing import util
+
+    if len(os.path.join(tempfile.gettempdir(), "pymp-12345678", "listener-12345678")) < 100:
+        return
+    saved, tempfile.tempdir = tempfile.tempdir, "/tmp"
+    try:
+        util.get_temp_dir()  # made now; multiprocessing keeps it for this process
+    finally:
+        tempfile.tempdir = saved

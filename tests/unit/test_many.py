@@ -126,3 +126,18 @@ def _memory_cgroup(limit: int) -> Path | None:
             group.rmdir()
         return None
     return group
+
+
+def test_workers_start_where_tmpdir_is_too_long_for_a_socket(tmp_path):
+    """The fork server (bench.workers: `membench many`'s and `membench fit`'s workers, a
+    real sharded run's ranks) listens on a Unix socket under TMPDIR; under a TMPDIR as long
+    as a cluster's per-job scratch folder can be, its path is too long to bind, and
+    workers must still start."""
+    long = tmp_path / ("d" * 110)
+    long.mkdir()
+    code = ("from bench import workers\n"
+            "worker = workers.context(['json']).Process(target=print, args=('started',))\n"
+            "worker.start(); worker.join(); raise SystemExit(worker.exitcode)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "TMPDIR": str(long)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "started" in done.stdout, done.stderr[-2000:]
