@@ -102,7 +102,12 @@ def _watch(entries, jobs, chunk: list[int]) -> tuple[set, list, tuple]:
     reader, writer = forks.Pipe(duplex=False)
     oom_kills = _oom_kills()
     worker = forks.Process(target=_work, args=([entries[i] for i in chunk], writer), name="membench-many-worker")
-    worker.start()
+    try:
+        worker.start()
+    except Exception as e:  # noqa: BLE001 - no worker (the fork server cannot start): the chunk's rows say why
+        reader.close()
+        writer.close()
+        return set(), [], ("error", f"it could not start ({type(e).__name__}: {e})", 0.0)
     writer.close()  # the worker holds the other copy: its exit ends the pipe
     read_end = reader.fileno()
     finished: set[int] = set()

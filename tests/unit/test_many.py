@@ -141,3 +141,31 @@ def test_workers_start_where_tmpdir_is_too_long_for_a_socket(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "TMPDIR": str(long)},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "started" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_worker_that_cannot_start_leaves_every_jobs_row(tmp_path, monkeypatch):
+    """Where no worker can start (the fork server cannot), each job of the group gets an
+    `error` row saying why, and `membench many` returns."""
+    import multiprocessing
+
+    from bench import many as group
+    from bench.job import Job
+
+    class NoWorker:
+        Pipe = staticmethod(multiprocessing.Pipe)
+
+        class Process:
+            def __init__(self, **_):
+                pass
+
+            def start(self):
+                raise OSError("AF_UNIX path too long")
+
+    monkeypatch.setattr(group.workers, "context", lambda preload: NoWorker)
+    jobs = [Job(kind="memory", method=m, model="gpt2-tiny", batch_size=2, seq_len=16) for m in ("adamw", "lomo")]
+    entries = [{"job": job.to_dict(), "out": str(tmp_path / f"{i}.json")} for i, job in enumerate(jobs)]
+    assert group.supervise(entries, jobs) == 0
+    rows = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2)]
+    assert [(r["status"], r["job"]["method"]) for r in rows] == [("error", "adamw"), ("error", "lomo")]
+    assert all(r["message"] == "the worker ended before any job: it could not start (OSError: AF_UNIX path too long)"
+               for r in rows)
