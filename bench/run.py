@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def work(entries: list[dict], progress_fd: int | None = None) -> int:
+def work(entries: list[dict], progress_fd: int) -> int:
     """Run `entries` ({"job": fields, "out": path}) one after another in this process (one
     start-up of torch for all of them), each result written atomically as soon as its job
     ends; CPU throughput jobs that differ only in their method are timed together, as one
@@ -137,13 +137,11 @@ def work(entries: list[dict], progress_fd: int | None = None) -> int:
     `progress_fd`: {"start": [indices]} / {"done": [indices]}, for `membench many`, which
     runs this in a child process and watches it. Returns after a job that timed out (the
     process may be left in any state): `membench many` runs the rest in a fresh one."""
-    if progress_fd is not None:
-        _die_with_parent()
-    report = os.fdopen(progress_fd, "w", buffering=1) if progress_fd is not None else None
+    _die_with_parent()
+    report = os.fdopen(progress_fd, "w", buffering=1)
 
     def say(event: str, batch: list[int]) -> None:
-        if report is not None:
-            report.write(json.dumps({event: batch}) + "\n")
+        report.write(json.dumps({event: batch}) + "\n")
 
     jobs = [Job.from_dict(e["job"]) for e in entries]
     done = 0
