@@ -113,21 +113,6 @@ class CachingAllocator:
         new.live = {key: twins[id(b)] for key, b in self.live.items()}
         return new
 
-    # -- pools --------------------------------------------------------------------
-    def _insert(self, block: _Block) -> None:
-        bisect.insort(self.pools[block.small], (block.size, block.addr, block))
-
-    def _remove(self, block: _Block) -> None:
-        pool = self.pools[block.small]
-        pool.pop(bisect.bisect_left(pool, (block.size, block.addr)))
-
-    def _best_fit(self, size: int, small: bool) -> _Block | None:
-        pool = self.pools[small]
-        i = bisect.bisect_left(pool, (size, -1))
-        if i == len(pool):
-            return None
-        return pool.pop(i)[2]
-
     # -- segments -----------------------------------------------------------------
     def _reserve(self, size: int, small: bool) -> _Block | None:
         seg = segment_size(size)
@@ -153,9 +138,11 @@ class CachingAllocator:
 
     # -- requests -----------------------------------------------------------------
     def malloc(self, key, nbytes: int) -> bool:
-        size = round_size(nbytes)
+        size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK or MIN_BLOCK  # round_size, inline: the hot path
         small = size <= SMALL_SIZE
-        block = self._best_fit(size, small) or self._reserve(size, small)
+        pool = self.pools[small]
+        i = bisect.bisect_left(pool, (size, -1))  # the best-fitting cached block
+        block = pool.pop(i)[2] if i < len(pool) else self._reserve(size, small)
         if block is None:
             if self.keep_refused and self.refused is None:  # nothing has changed yet
                 self.refused = self.snapshot()
@@ -171,11 +158,12 @@ class CachingAllocator:
             if block.next is not None:
                 block.next.prev = tail
             block.next, block.size = tail, size
-            self._insert(tail)
+            bisect.insort(self.pools[small], (rest, tail.addr, tail))  # (the retry replaces the pool)
         block.free = False
         self.live[key] = block
         self.allocated += block.size
-        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        if self.allocated > self.allocated_peak:
+            self.allocated_peak = self.allocated
         return True
 
     def free(self, key) -> None:
@@ -184,34 +172,36 @@ class CachingAllocator:
             return
         self.allocated -= block.size
         block.free = True
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.free:
-                self._remove(neighbour)
-                if neighbour is block.prev:
-                    neighbour.size += block.size
-                    neighbour.next = block.next
-                    if block.next is not None:
-                        block.next.prev = neighbour
-                    block = neighbour
-                else:
-                    block.size += neighbour.size
-                    block.next = neighbour.next
-                    if neighbour.next is not None:
-                        neighbour.next.prev = block
-        self._insert(block)
+        pool = self.pools[block.small]
+        before, after = block.prev, block.next
+        if before is not None and before.free:  # merge into the free block before
+            del pool[bisect.bisect_left(pool, (before.size, before.addr))]
+            before.size += block.size
+            before.next = after
+            if after is not None:
+                after.prev = before
+            block = before
+        if after is not None and after.free:  # take in the free block after
+            del pool[bisect.bisect_left(pool, (after.size, after.addr))]
+            block.size += after.size
+            block.next = after.next
+            if after.next is not None:
+                after.next.prev = block
+        bisect.insort(pool, (block.size, block.addr, block))
 
 
 def replay(events, limit_bytes: int | None = None) -> Replay:
     """Replay `MemoryTracker` events — ("alloc", key, nbytes) and ("free", key) — through
     the allocator model; `limit_bytes` is the memory it may reserve (None: unlimited)."""
     alloc = CachingAllocator(limit_bytes)
+    malloc, free = alloc.malloc, alloc.free
     for event in events:
         if event[0] == "alloc":
-            if not alloc.malloc(event[1], event[2]):
+            if not malloc(event[1], event[2]):
                 return Replay(False, alloc.allocated_peak, alloc.reserved_peak, alloc.retries,
                               round_size(event[2]))
         else:
-            alloc.free(event[1])
+            free(event[1])
     return Replay(True, alloc.allocated_peak, alloc.reserved_peak, alloc.retries)
 
 

@@ -659,8 +659,11 @@ class Oracle:
         self.error: str | None = None
         # a search that keeps no cost computes a batch's trace from the line of the last two
         # steps run once a third lies on it (`trace_line`), between the batches run on it:
-        # None while there is none, False if a later step was off a confirmed line
-        self.line: trace_line.Line | bool | None = None if self.simulated and not cost else False
+        # None while there is none, False if a later step was off a confirmed line, or for a
+        # method that plans each batch shape anew (ROAM: its steps change shape with the
+        # batch, so no step beyond the answer is run to span one)
+        self.line: trace_line.Line | bool | None = (
+            None if self.simulated and not cost and not load(job.method, job.hparams).plans_per_shape else False)
         # such a search of a deep model (one GPU, or FSDP2's rank 0) reads the steps at
         # other batches from a shallow copy (`_Deep`)
         self.deep = (self.simulated and not cost and job.sharding in ("none", "fsdp")
@@ -793,8 +796,13 @@ class Oracle:
         if self.simulated:
             self._record(batch)
             trace = self.traces[batch]
-            if self.records[batch]["status"] != "ok":
+            record = self.records[batch]
+            if record["status"] != "ok":
                 return False
+            if record["memory"]["reserved_peak_bytes"] + allocator.CUDA_CONTEXT_BYTES <= capacity:
+                # under a limit the allocator does what it does without one until a reservation
+                # is refused: none is, where the unlimited replay's reserve is within it
+                return True
             return allocator.replay_on_gpu(trace, capacity).fits
         if not self.cuda:  # tracked: exact bytes; a capped run would raise iff they exceed C
             record = self._record(batch)

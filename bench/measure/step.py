@@ -115,9 +115,10 @@ def error_message(e: Exception, simulated: bool) -> str:
 
 
 def fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """A fresh fake mode for a simulated job (`bench.measure.fake`)."""
+    from bench.measure.fake import FakeMode
 
-    return FakeTensorMode()
+    return FakeMode()
 
 
 @contextlib.contextmanager
