@@ -54,7 +54,8 @@ def _metadata(result: list, t: FakeTensor) -> None:
     of concrete sizes: its fields in order, the shape and strides as the walk keys a
     sequence (its type, its length, then (int, value) per element)."""
     shape, stride = t.shape, t.stride()
-    memory_format = suggest_memory_format(t)
+    # (a tensor of other than 4 or 5 dimensions has no channels-last format to suggest)
+    memory_format = suggest_memory_format(t) if len(shape) in (4, 5) else torch.contiguous_format
     if not t.is_contiguous(memory_format=memory_format):
         memory_format = None
     append = result.append
