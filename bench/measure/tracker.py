@@ -343,6 +343,9 @@ class MemoryTracker(TorchDispatchMode, Tracker):
         if func is _DEVICE:  # a tensor's device (asked by autograd, most of a backward's calls): no tensor made
             return out
         category = "activation" if _recomputing() else "other"
+        if isinstance(out, torch.Tensor):  # most operators: one tensor (what tree_flatten would give)
+            self._add(out, category, pinned=False, relabel=False)
+            return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t, category, pinned=False, relabel=False)
