@@ -58,10 +58,6 @@ class _Block:
         self.segment, self.addr, self.size, self.small = segment, addr, size, small
         self.free, self.prev, self.next = True, None, None
 
-    @property
-    def key(self):
-        return (self.size, self.addr)
-
 
 @dataclass
 class Replay:

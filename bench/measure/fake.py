@@ -46,7 +46,9 @@ class FakeMode(FakeTensorMode):
             elif kind is list or kind is tuple:
                 self._prep_args_for_hash(result, arg, state, id_hashed_objects)
             else:
-                FakeTensorMode._prep_args_for_hash(self, result, _One(arg), state, id_hashed_objects)
+                # one argument as an iterator, not a sequence: PyTorch's walk keys it without a
+                # sequence's type and length
+                FakeTensorMode._prep_args_for_hash(self, result, iter((arg,)), state, id_hashed_objects)
 
 
 def _metadata(result: list, t: FakeTensor) -> None:
@@ -75,15 +77,3 @@ def _metadata(result: list, t: FakeTensor) -> None:
     result += (t.device, torch.strided, memory_format, t.storage_offset(), t.untyped_storage().nbytes(),
                t.requires_grad, t.is_quantized, t.is_conj(), t.is_neg(), t.is_inference(), False, None, None, None)
 
-
-class _One:
-    """One argument as an iterable that is not a sequence: PyTorch's walk keys its element
-    without a sequence's type and length."""
-
-    __slots__ = ("arg",)
-
-    def __init__(self, arg):
-        self.arg = arg
-
-    def __iter__(self):
-        yield self.arg
