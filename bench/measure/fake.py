@@ -1,5 +1,5 @@
 """The simulated tier's fake tensors: PyTorch's `FakeTensorMode`, with its dispatch cache's
-key built faster.
+key built faster and a cache hit's output made faster.
 
 A fake tensor runs each operator on metadata alone, and FakeTensorMode caches an
 operator's output metadata by a key made of the operator and its arguments' metadata. On a
@@ -13,12 +13,25 @@ mode's tensor, a constant, a sparse tensor, symbolic sizes, callables) takes PyT
 walk, unchanged. A key equal to PyTorch's means the same cache entries, hits and misses,
 hence the same tensors: tests/unit/test_fake.py checks every operator's key of training
 steps against PyTorch's (torch 2.13, the pinned version: a torch that builds its key
-differently fails that test, not a result)."""
+differently fails that test, not a result).
+
+On a hit, PyTorch makes each output tensor through general code (a generator per size, a
+context manager per call, `FakeTensor.__new__` checking its arguments and setting each of
+its attributes through descriptors). `FakeMode` makes the same tensor directly where the
+sizes are concrete and the output is a new dense tensor (a view shares its input's storage,
+as PyTorch's does): the same meta tensor, subclassed with the same dispatch keys, given the
+attributes `FakeTensor.__new__` gives it. The same test file checks every hit's output of
+those steps against PyTorch's (type, sizes, strides, storage, dispatch keys, attributes).
+Its `dispatch` also skips the debug log line PyTorch prepares for every operator (a context
+manager) where that log is off."""
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch._prims_common import suggest_memory_format
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
 
 # The types PyTorch's walk keys as (type, value) (its last branch)
 _PLAIN = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout,
@@ -27,7 +40,60 @@ _PLAIN = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device
 
 class FakeMode(FakeTensorMode):
     """`FakeTensorMode` with `_prep_args_for_hash` (the key's argument walk) done directly for
-    the common arguments; see the module docstring."""
+    the common arguments, and a cache hit's output tensors made directly; see the module
+    docstring."""
+
+    def dispatch(self, func, types, args=(), kwargs=fake_tensor.immutable_dict()):
+        # PyTorch's `dispatch` without its debug log line (a context manager per operator):
+        # the same branches in the same order where the log is off
+        if (not self.cache_enabled or func in fake_tensor._DISPATCH_META_HANDLERS
+                or func in fake_tensor._DISPATCH_HANDLE_DIRECTLY or fake_tensor.log.isEnabledFor(logging.DEBUG)):
+            return super().dispatch(func, types, args, kwargs)
+        return self._cached_dispatch_impl(func, types, args, kwargs or {})
+
+    def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+        """A cache hit's output tensor: what PyTorch's method makes, made directly where
+        sizes are concrete (no shape environment) and the output is a new dense tensor."""
+        metadata = entry.metadata
+        if (self.shape_env is not None or entry.inplace_idx is not None or metadata is None
+                or metadata.layout is not torch.strided or metadata.is_conj or metadata.is_neg
+                or fake_tensor.FakeTensorConfig.debug):
+            return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+        device = self._devices.get(metadata.device)
+        if device is None:
+            device = self._devices[metadata.device] = FakeTensor._normalize_fake_device(metadata.device)
+        if device.type == "meta":
+            return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+        shape, stride = metadata.shape, metadata.stride
+        storage = (args[entry.view_idx].untyped_storage()
+                   if isinstance(func, torch._ops.OpOverload) and func.is_view else None)
+        with in_kernel_invocation_manager(self):
+            empty = torch.empty_strided(shape, stride, dtype=metadata.dtype, layout=torch.strided,
+                                        device="meta", requires_grad=metadata.requires_grad)
+            if storage is not None:  # a view: the input's storage
+                empty.set_(storage, metadata.storage_offset, shape, stride)
+        out = torch.Tensor._make_subclass(FakeTensor, empty, empty.requires_grad, dispatch_device=True,
+                                          device_for_backend_keys=device)
+        if self._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(out)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(out)
+        out.__dict__.update(self._fresh(device))
+        return out
+
+    @property
+    def _devices(self) -> dict:
+        """Device -> the device a FakeTensor keeps for it (normalized once)."""
+        try:
+            return self.__dict__["_devices_normal"]
+        except KeyError:
+            return self.__dict__.setdefault("_devices_normal", {})
+
+    def _fresh(self, device: torch.device) -> dict:
+        """The attributes `FakeTensor.__new__` gives a new tensor of this mode on `device`
+        (no constant, no real tensor, every memo cleared), in its order."""
+        return {"_fake_device": device, "fake_mode": self, "constant": None, "pytype": None,
+                "dispatch_keys": None, "real_tensor": None, **_CLEARED_MEMOS}
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
         if not isinstance(args, (list, tuple)):  # a dict of keyword arguments, or its keys and values
@@ -49,6 +115,12 @@ class FakeMode(FakeTensorMode):
                 # one argument as an iterator, not a sequence: PyTorch's walk keys it without a
                 # sequence's type and length
                 FakeTensorMode._prep_args_for_hash(self, result, iter((arg,)), state, id_hashed_objects)
+
+
+# what `FakeTensor.__new__` sets each memo to (a memo is cleared in three attributes)
+_CLEARED_MEMOS = {f"_{name}{part}": None
+                  for name in ("nonzero_memo", "item_memo", "unique_memo", "unique_consecutive_memo", "nested_int_memo")
+                  for part in ("", "_vc", "_epoch")}
 
 
 def _metadata(result: list, t: FakeTensor) -> None:

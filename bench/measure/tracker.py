@@ -48,6 +48,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -339,9 +340,12 @@ class MemoryTracker(TorchDispatchMode, Tracker):
 
     # -- dispatch ----------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # a tensor's device (asked by autograd and operators, most calls): no tensor made
+            t = args[0]
+            if type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
+                return t.fake_device  # FakeTensorMode's answer, without a round trip through it
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        if func is _DEVICE:  # a tensor's device (asked by autograd, most of a backward's calls): no tensor made
-            return out
         category = "activation" if _recomputing() else "other"
         if isinstance(out, torch.Tensor):  # most operators: one tensor (what tree_flatten would give)
             self._add(out, category, pinned=False, relabel=False)
