@@ -31,7 +31,7 @@ import logging
 import torch
 from torch._prims_common import suggest_memory_format
 from torch._subclasses import fake_tensor
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 # The types PyTorch's walk keys as (type, value) (its last branch)
 _PLAIN = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout,
@@ -59,15 +59,18 @@ class FakeMode(FakeTensorMode):
                 or metadata.layout is not torch.strided or metadata.is_conj or metadata.is_neg
                 or fake_tensor.FakeTensorConfig.debug):
             return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
-        device = self._devices.get(metadata.device)
-        if device is None:
-            device = self._devices[metadata.device] = FakeTensor._normalize_fake_device(metadata.device)
+        made = self._outputs_on.get(metadata.device)
+        if made is None:  # the device a FakeTensor keeps for this one, and what __new__ sets
+            made = self._outputs_on[metadata.device] = _new_on(self, metadata.device)
+        device, attributes = made
         if device.type == "meta":
             return super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
         shape, stride = metadata.shape, metadata.stride
         storage = (args[entry.view_idx].untyped_storage()
                    if isinstance(func, torch._ops.OpOverload) and func.is_view else None)
-        with in_kernel_invocation_manager(self):
+        # a plain meta tensor, made with no mode seeing it (PyTorch's kernel context also
+        # marks the fake mode as in a kernel, which only a FakeTensor's reads would see)
+        with torch._C._DisableTorchDispatch():
             empty = torch.empty_strided(shape, stride, dtype=metadata.dtype, layout=torch.strided,
                                         device="meta", requires_grad=metadata.requires_grad)
             if storage is not None:  # a view: the input's storage
@@ -78,22 +81,16 @@ class FakeMode(FakeTensorMode):
             torch._C._set_warn_deprecated_on_mutable_data_ptr(out)
         else:
             torch._C._set_throw_on_mutable_data_ptr(out)
-        out.__dict__.update(self._fresh(device))
+        out.__dict__.update(attributes)
         return out
 
     @property
-    def _devices(self) -> dict:
-        """Device -> the device a FakeTensor keeps for it (normalized once)."""
+    def _outputs_on(self) -> dict:
+        """A cached output's device -> (the device its FakeTensor keeps, the attributes it gets)."""
         try:
-            return self.__dict__["_devices_normal"]
+            return self.__dict__["_made_on"]
         except KeyError:
-            return self.__dict__.setdefault("_devices_normal", {})
-
-    def _fresh(self, device: torch.device) -> dict:
-        """The attributes `FakeTensor.__new__` gives a new tensor of this mode on `device`
-        (no constant, no real tensor, every memo cleared), in its order."""
-        return {"_fake_device": device, "fake_mode": self, "constant": None, "pytype": None,
-                "dispatch_keys": None, "real_tensor": None, **_CLEARED_MEMOS}
+            return self.__dict__.setdefault("_made_on", {})
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
         if not isinstance(args, (list, tuple)):  # a dict of keyword arguments, or its keys and values
@@ -115,6 +112,15 @@ class FakeMode(FakeTensorMode):
                 # one argument as an iterator, not a sequence: PyTorch's walk keys it without a
                 # sequence's type and length
                 FakeTensorMode._prep_args_for_hash(self, result, iter((arg,)), state, id_hashed_objects)
+
+
+def _new_on(mode: FakeMode, device: torch.device) -> tuple[torch.device, dict]:
+    """The device a FakeTensor of `mode` keeps for `device` (normalized), and the attributes
+    `FakeTensor.__new__` gives a new one (no constant, no real tensor, every memo cleared),
+    in its order."""
+    device = FakeTensor._normalize_fake_device(device)
+    return device, {"_fake_device": device, "fake_mode": mode, "constant": None, "pytype": None,
+                    "dispatch_keys": None, "real_tensor": None, **_CLEARED_MEMOS}
 
 
 # what `FakeTensor.__new__` sets each memo to (a memo is cleared in three attributes)
