@@ -138,20 +138,16 @@ def _metadata(result: list, t: FakeTensor) -> None:
     memory_format = suggest_memory_format(t) if len(shape) in (4, 5) else torch.contiguous_format
     if not t.is_contiguous(memory_format=memory_format):
         memory_format = None
-    append = result.append
-    append(t.dtype)
-    append(torch.Size)
-    append(f"length_{len(shape)}")
-    for n in shape:
-        append(int)
-        append(n)
-    append(tuple)
-    append(f"length_{len(stride)}")
-    for n in stride:
-        append(int)
-        append(n)
-    # device, layout, memory format, storage offset and bytes, requires_grad, is_quantized,
-    # is_conj, is_neg, is_inference, is_sparse, is_coalesced, dense_dim, sparse_dim
-    result += (t.device, torch.strided, memory_format, t.storage_offset(), t.untyped_storage().nbytes(),
+    sizes = [int] * (2 * len(shape))  # (int, n) per dimension
+    sizes[1::2] = shape
+    result += (t.dtype, torch.Size, f"length_{len(shape)}")
+    result += sizes
+    sizes[1::2] = stride
+    result += (tuple, f"length_{len(stride)}")
+    result += sizes
+    # device (outside a kernel: its fake device), layout, memory format, storage offset and
+    # bytes, requires_grad, is_quantized, is_conj, is_neg, is_inference, is_sparse,
+    # is_coalesced, dense_dim, sparse_dim
+    result += (t._fake_device, torch.strided, memory_format, t.storage_offset(), t.untyped_storage().nbytes(),
                t.requires_grad, t.is_quantized, t.is_conj(), t.is_neg(), t.is_inference(), False, None, None, None)
 
