@@ -76,6 +76,7 @@ import tempfile
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from bench import models
 from bench.job import Job
@@ -294,11 +295,9 @@ class ShardedTracker(MemoryTracker):
 
     # -- dispatch -------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs it as local ops, which come back here
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        return self._dispatch(func, args, kwargs)
 
     @contextlib.contextmanager
     def ignoring(self):

@@ -340,6 +340,11 @@ class MemoryTracker(TorchDispatchMode, Tracker):
 
     # -- dispatch ----------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func, args, kwargs):
+        """What `__torch_dispatch__` does (a subclass that overrides it calls this: PyTorch
+        wraps each class's `__torch_dispatch__` in a guard of its own, once is enough)."""
         if func is _DEVICE:  # a tensor's device (asked by autograd and operators, most calls): no tensor made
             t = args[0]
             if type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
