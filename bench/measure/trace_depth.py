@@ -151,17 +151,16 @@ class Depth:
         if k < 0 or not self.rules:
             return None
         trace, number, alive = [], {}, {}  # event -> allocation number; live number -> bytes
-        for e, (where, token) in enumerate(self._layout(k)):
+        for e, (token, back) in enumerate(self._distances(k)):
             kind = token[0]
             if kind == "a":
-                number[e] = len(number)
-                alive[number[e]] = token[1]
-                trace.append(("alloc", number[e], *token[1:]))
+                number[e] = n = len(number)
+                alive[n] = token[1]
+                trace.append(("alloc", n, *token[1:]))
             elif kind == "m":
                 trace.append(("mark", token[1]))
             elif kind != "u":
-                alpha, beta, gamma = self.rules[where[:2] if where[0] == "b" else where[:3]]
-                n = number.get(e - (alpha + beta * (where[3] if where[0] == "u" else 0) + gamma * k))
+                n = number.get(e - back)
                 if n is None or alive.get(n) != token[-1]:
                     return None
                 if kind == "f":
@@ -170,6 +169,21 @@ class Depth:
                 else:
                     trace.append((token[1], n, token[2]))
         return trace
+
+    def _distances(self, k: int) -> list[tuple]:
+        """The events at depth a + k as `_layout` has them, each as (token, its distance by
+        its rule: alpha + beta c + gamma k; None for an allocation, a mark or an unknown free)."""
+        rules, out, point = self.rules, [], 0
+        for j, (p, unit) in enumerate(self.units + [(len(self.base), [])]):
+            for i in range(point, p):
+                rule = rules.get(("b", i))
+                out.append((self.base[i], None if rule is None else rule[0] + rule[2] * k))
+            unit_rules = [rules.get(("u", j, o)) for o in range(len(unit))]
+            for c in range(k):
+                out += [(token, None if rule is None else rule[0] + rule[1] * c + rule[2] * k)
+                        for token, rule in zip(unit, unit_rules)]
+            point = p
+        return out
 
 
 def _fit(points: list) -> tuple | None | bool:
