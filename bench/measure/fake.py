@@ -43,6 +43,15 @@ class FakeMode(FakeTensorMode):
     the common arguments, and a cache hit's output tensors made directly; see the module
     docstring."""
 
+    # FakeTensorMode's `__torch_dispatch__` without PyTorch's guard that keeps torch.compile
+    # out of a mode's frames (a guard per operator): no simulated step compiles (a method
+    # that compiles runs eagerly under a dispatch mode: methods/_common/torchao.py)
+    __torch_dispatch__ = FakeTensorMode.__dict__["__torch_dispatch__"].__wrapped__
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
     def dispatch(self, func, types, args=(), kwargs=fake_tensor.immutable_dict()):
         # PyTorch's `dispatch` without its debug log line (a context manager per operator):
         # the same branches in the same order where the log is off

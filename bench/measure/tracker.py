@@ -339,12 +339,18 @@ class MemoryTracker(TorchDispatchMode, Tracker):
         return MemorySplit(**self._totals)
 
     # -- dispatch ----------------------------------------------------------------
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: `__torch_dispatch__` is not wrapped in PyTorch's guard that keeps
+        torch.compile out of a mode's frames (a guard per operator). No step compiles under
+        the tracker: a method that compiles runs eagerly there (methods/_common/torchao.py)."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self._dispatch(func, args, kwargs)
 
     def _dispatch(self, func, args, kwargs):
-        """What `__torch_dispatch__` does (a subclass that overrides it calls this: PyTorch
-        wraps each class's `__torch_dispatch__` in a guard of its own, once is enough)."""
+        """What `__torch_dispatch__` does (a subclass that overrides it calls this)."""
         if func is _DEVICE:  # a tensor's device (asked by autograd and operators, most calls): no tensor made
             t = args[0]
             if type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
