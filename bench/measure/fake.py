@@ -52,6 +52,11 @@ class FakeMode(FakeTensorMode):
     def _should_skip_dynamo(cls) -> bool:
         return False
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # a cached output's device -> (the device its FakeTensor keeps, the attributes it gets)
+        self._outputs_on: dict = {}
+
     def dispatch(self, func, types, args=(), kwargs=fake_tensor.immutable_dict()):
         # PyTorch's `dispatch` without its debug log line (a context manager per operator):
         # the same branches in the same order where the log is off
@@ -93,13 +98,6 @@ class FakeMode(FakeTensorMode):
         out.__dict__.update(attributes)
         return out
 
-    @property
-    def _outputs_on(self) -> dict:
-        """A cached output's device -> (the device its FakeTensor keeps, the attributes it gets)."""
-        try:
-            return self.__dict__["_made_on"]
-        except KeyError:
-            return self.__dict__.setdefault("_made_on", {})
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
         if not isinstance(args, (list, tuple)):  # a dict of keyword arguments, or its keys and values
