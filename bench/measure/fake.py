@@ -22,8 +22,9 @@ sizes are concrete and the output is a new dense tensor (a view shares its input
 as PyTorch's does): the same meta tensor, subclassed with the same dispatch keys, given the
 attributes `FakeTensor.__new__` gives it. The same test file checks every hit's output of
 those steps against PyTorch's (type, sizes, strides, storage, dispatch keys, attributes).
-Its `dispatch` also skips the debug log line PyTorch prepares for every operator (a context
-manager) where that log is off."""
+Per operator it also skips what only debugging reads: the debug log line PyTorch prepares
+(a context manager) where that log is off, and its call counter; and, as the tracker, the
+guard that keeps torch.compile out of a dispatch mode's frames (no simulated step compiles)."""
 from __future__ import annotations
 
 import logging
@@ -43,14 +44,20 @@ class FakeMode(FakeTensorMode):
     the common arguments, and a cache hit's output tensors made directly; see the module
     docstring."""
 
-    # FakeTensorMode's `__torch_dispatch__` without PyTorch's guard that keeps torch.compile
-    # out of a mode's frames (a guard per operator): no simulated step compiles (a method
-    # that compiles runs eagerly under a dispatch mode: methods/_common/torchao.py)
-    __torch_dispatch__ = FakeTensorMode.__dict__["__torch_dispatch__"].__wrapped__
-
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
+        """False: `__torch_dispatch__` is not wrapped in PyTorch's guard that keeps
+        torch.compile out of a mode's frames (a guard per operator). No simulated step
+        compiles: a method that compiles runs eagerly under a dispatch mode
+        (methods/_common/torchao.py)."""
         return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=fake_tensor.immutable_dict()):
+        # FakeTensorMode's, without its call counter (a debugging statistic, a wrapper per
+        # operator) and the logging of a TypeError on its way out
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            raise AssertionError(f"FakeTensorMode should not be set when dispatching {func}")
+        return self.dispatch(func, types, args, kwargs)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
