@@ -297,7 +297,7 @@ class ShardedTracker(MemoryTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs it as local ops, which come back here
-        return self._dispatch(func, args, kwargs)
+        return MemoryTracker.__torch_dispatch__(self, func, types, args, kwargs)
 
     @contextlib.contextmanager
     def ignoring(self):

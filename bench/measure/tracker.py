@@ -347,10 +347,6 @@ class MemoryTracker(TorchDispatchMode, Tracker):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self._dispatch(func, args, kwargs)
-
-    def _dispatch(self, func, args, kwargs):
-        """What `__torch_dispatch__` does (a subclass that overrides it calls this)."""
         if func is _DEVICE:  # a tensor's device (asked by autograd and operators, most calls): no tensor made
             t = args[0]
             if type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
