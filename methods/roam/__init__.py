@@ -78,10 +78,16 @@ class _Compiled:
 
     def __init__(self, step: stepgraph.AdamWStep, plan: planners.Plan, key):
         self.step, self.plan, self.key = step, plan, key
-        self.module = stepgraph.reorder(step.capture, plan.order)
-        self._labelled = None
+        self._module = self._labelled = None  # each built when first run
         self.scalars: list = []
         self.inputs: list = []
+
+    @property
+    def module(self):
+        """The planned module."""
+        if self._module is None:
+            self._module = stepgraph.reorder(self.step.capture, self.plan.order)
+        return self._module
 
     def labelled(self):
         """The planned module, labelling grads and activations for the tracker."""
