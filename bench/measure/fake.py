@@ -44,6 +44,11 @@ class FakeMode(FakeTensorMode):
     the common arguments, and a cache hit's output tensors made directly; see the module
     docstring."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # a cached output's device -> (the device its FakeTensor keeps, the attributes it gets)
+        self._outputs_on: dict = {}
+
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         """False: `__torch_dispatch__` is not wrapped in PyTorch's guard that keeps
@@ -58,11 +63,6 @@ class FakeMode(FakeTensorMode):
         if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
             raise AssertionError(f"FakeTensorMode should not be set when dispatching {func}")
         return self.dispatch(func, types, args, kwargs)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # a cached output's device -> (the device its FakeTensor keeps, the attributes it gets)
-        self._outputs_on: dict = {}
 
     def dispatch(self, func, types, args=(), kwargs=fake_tensor.immutable_dict()):
         # PyTorch's `dispatch` without its debug log line (a context manager per operator):
@@ -104,7 +104,6 @@ class FakeMode(FakeTensorMode):
             torch._C._set_throw_on_mutable_data_ptr(out)
         out.__dict__.update(attributes)
         return out
-
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
         if not isinstance(args, (list, tuple)):  # a dict of keyword arguments, or its keys and values
