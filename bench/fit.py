@@ -266,7 +266,7 @@ def _search(oracle, job: Job, base: dict, memory_gb: list[float], batch_size: in
     def known() -> dict:  # k micro-batch units -> bytes; k = 0: the state kept between steps
         for b, r in oracle.records.items():
             if needs.get(b, (None,))[0] is not r:
-                needs[b] = r, (smallest_gpu(oracle.traces[b], r["memory"]) if r["status"] == "ok" else None)
+                needs[b] = r, (SmallestGpu(oracle.traces[b], r["memory"]) if r["status"] == "ok" else None)
         return {0: persistent} | {b // unit: needs[b][1] for b in oracle.records if b % unit == 0}
 
     if oracle.line is not False:
@@ -274,7 +274,7 @@ def _search(oracle, job: Job, base: dict, memory_gb: list[float], batch_size: in
         # and --batch-size), so that the batches the search asks about lie between steps
         # run: on a confirmed line (`bench.measure.trace_line`) they are computed, not run
         k0 = batch_size // unit
-        rise = known()[k0] - persistent
+        rise = int(known()[k0]) - persistent
         guess = (int(max(memory_gb) * GiB) - persistent) // rise * k0 if rise > 0 else most
         oracle.need(unit * min(most, max(2 * guess, 2 * k0)))
     rows = []
@@ -336,6 +336,46 @@ def smallest_gpu(trace: list, memory: dict, resolution: int = 2**26) -> int:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if replays.fits_on_gpu(mid) else (mid, hi)
     return hi
+
+
+class SmallestGpu:
+    """`smallest_gpu(trace, memory)` as the search reads it: bytes compared with memory sizes
+    (and with others like them) and interpolated between. They lie between the allocated peak
+    (plus the CUDA context) and the unlimited replay's need, so a comparison those bounds
+    settle needs no replay; the bisection runs once, where one does not (or the number itself
+    is read)."""
+
+    def __init__(self, trace: list, memory: dict):
+        from bench.measure import allocator
+
+        self.trace, self.memory = trace, memory
+        self.lo = memory["predicted_allocated_peak_bytes"] + allocator.CUDA_CONTEXT_BYTES
+        self.hi = max(self.lo, memory["predicted_gpu_bytes"])
+        self._bytes: int | None = None
+
+    def __int__(self) -> int:
+        if self._bytes is None:
+            self._bytes = smallest_gpu(self.trace, self.memory)
+        return self._bytes
+
+    def __float__(self) -> float:
+        return float(int(self))
+
+    def __le__(self, other) -> bool:
+        if isinstance(other, SmallestGpu):
+            return int(self) <= int(other)
+        return self.hi <= other or (self.lo <= other and int(self) <= other)
+
+    def __ge__(self, other) -> bool:
+        if isinstance(other, SmallestGpu):
+            return int(self) >= int(other)
+        return self.lo >= other or (self.hi >= other and int(self) >= other)
+
+    def __gt__(self, other) -> bool:
+        return not self <= other
+
+    def __lt__(self, other) -> bool:
+        return not self >= other
 
 
 def run(model: str, methods: list[str], memory_gb: list[float], batch_size: int, seq_len: int,

@@ -24,9 +24,20 @@ attributes `FakeTensor.__new__` gives it. The same test file checks every hit's 
 those steps against PyTorch's (type, sizes, strides, storage, dispatch keys, attributes).
 Per operator it also skips what only debugging reads: the debug log line PyTorch prepares
 (a context manager) where that log is off, and its call counter; and, as the tracker, the
-guard that keeps torch.compile out of a dispatch mode's frames (no simulated step compiles)."""
+guard that keeps torch.compile out of a dispatch mode's frames (no simulated step compiles).
+
+Three operators a step calls often take PyTorch's slow path (outside the cache, an operator
+implementation in Python) for reasons that do not hold for them there; `FakeMode` gives each
+what that path would: `aten._unsafe_view` (left out of the cache; PyTorch runs its
+decomposition, `aten.view`, which `FakeMode` runs through the cache); `item()` of a constant
+(`aten._local_scalar_dense`: an optimizer's step count; PyTorch runs it on the number the
+constant holds, as `FakeMode` does, without the key); and an in-place foreach operator with a
+number per tensor (AdamW's step sizes, new at each step: a miss every step), which makes and
+returns no tensor, keyed by its numbers' types rather than values. The same test file checks
+each against PyTorch's own dispatch at every call of the training steps."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -34,6 +45,8 @@ from torch._prims_common import suggest_memory_format
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+_UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
+_ITEM = torch.ops.aten._local_scalar_dense.default  # `Tensor.item()`
 # The types PyTorch's walk keys as (type, value) (its last branch)
 _PLAIN = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.layout,
                     torch.memory_format})
@@ -70,7 +83,35 @@ class FakeMode(FakeTensorMode):
         if (not self.cache_enabled or func in fake_tensor._DISPATCH_META_HANDLERS
                 or func in fake_tensor._DISPATCH_HANDLE_DIRECTLY or fake_tensor.log.isEnabledFor(logging.DEBUG)):
             return super().dispatch(func, types, args, kwargs)
+        if func is _UNSAFE_VIEW and not kwargs and self._plain(args[0]) and self.shape_env is None:
+            # PyTorch leaves it out of the cache and runs its decomposition, `aten.view` (under
+            # this mode): that view, through the cache
+            return self.dispatch(_VIEW, types, args)
+        lists = args and type(args[0]) is list and _number_lists(func)  # (a foreach operator's first is a list)
+        if lists and not kwargs and all(self._plain(t) for a in args if type(a) is list for t in a
+                                        if isinstance(t, torch.Tensor)):
+            # an in-place foreach operator with a number per tensor (AdamW's step sizes, new at
+            # every step, so every step would miss the cache): it makes and returns no tensor,
+            # and its output (none) and its checks depend on the numbers' types, not values
+            args = tuple([type(x)(1) for x in a] if i in lists else a for i, a in enumerate(args))
+        if func is _ITEM and not kwargs and self._constant(args[0]):
+            # PyTorch leaves an operator on constants out of the cache and runs it on them: the
+            # number this one holds (an optimizer's step count)
+            with torch._C._DisableTorchDispatch():
+                return func(args[0].constant)
         return self._cached_dispatch_impl(func, types, args, kwargs or {})
+
+    def _constant(self, t) -> bool:
+        """A fake tensor of this mode with concrete sizes that holds a constant (a tensor made
+        from a Python number or list, whose value the mode keeps)."""
+        return (type(t) is FakeTensor and t.fake_mode is self and t.constant is not None
+                and not t._has_symbolic_sizes_strides)
+
+    def _plain(self, t) -> bool:
+        """A dense fake tensor of this mode with concrete sizes and no constant: what the
+        key is built directly for (`_metadata`)."""
+        return (type(t) is FakeTensor and t.fake_mode is self and t.constant is None
+                and t.layout is torch.strided and not t._has_symbolic_sizes_strides)
 
     def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
         """A cache hit's output tensor: what PyTorch's method makes, made directly where
@@ -116,8 +157,7 @@ class FakeMode(FakeTensorMode):
             if kind in _PLAIN:
                 append(kind)
                 append(arg)
-            elif (kind is FakeTensor and arg.fake_mode is self and arg.constant is None
-                  and arg.layout is torch.strided and not arg._has_symbolic_sizes_strides):
+            elif kind is FakeTensor and self._plain(arg):
                 _metadata(result, arg)
             elif kind is list or kind is tuple:
                 self._prep_args_for_hash(result, arg, state, id_hashed_objects)
@@ -125,6 +165,17 @@ class FakeMode(FakeTensorMode):
                 # one argument as an iterator, not a sequence: PyTorch's walk keys it without a
                 # sequence's type and length
                 FakeTensorMode._prep_args_for_hash(self, result, iter((arg,)), state, id_hashed_objects)
+
+
+@functools.cache
+def _number_lists(func) -> tuple[int, ...]:
+    """The positions of the lists of numbers (`Scalar[]`) of an in-place foreach operator that
+    returns nothing (`aten._foreach_div_.ScalarList`); () for any other operator."""
+    schema = getattr(func, "_schema", None)
+    if not (isinstance(func, torch._ops.OpOverload) and schema.name.startswith("aten::_foreach_")
+            and schema.is_mutable and not schema.returns):
+        return ()
+    return tuple(i for i, a in enumerate(schema.arguments) if str(a.type) == "List[number]")
 
 
 def _new_on(mode: FakeMode, device: torch.device) -> tuple[torch.device, dict]:

@@ -352,6 +352,9 @@ class MemoryTracker(TorchDispatchMode, Tracker):
             if type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
                 return t.fake_device  # FakeTensorMode's answer, without a round trip through it
             return func(*args, **(kwargs or {}))
+        if func in _PROFILER_MARKS:  # no tensor in or out: the operator's own kernel, below every mode
+            with torch._C._DisableTorchDispatch():
+                return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         category = "activation" if _recomputing() else "other"
         if isinstance(out, torch.Tensor):  # most operators: one tensor (what tree_flatten would give)
@@ -452,6 +455,10 @@ class _Saved:
 
 
 _DEVICE = torch.ops.prim.device.default
+# A profiler range's start and end (`torch.profiler.record_function`; FSDP2 opens ranges
+# around each of its hooks and collectives): a record object, no tensor
+_PROFILER_MARKS = frozenset({torch.ops.profiler._record_function_enter_new.default,
+                             torch.ops.profiler._record_function_exit._RecordFunction})
 
 
 def _recomputing() -> bool:

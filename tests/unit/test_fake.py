@@ -20,6 +20,20 @@ JOBS = [
 ]
 
 
+def _run_jobs() -> None:
+    for spec in JOBS:
+        result = runner.run(Job(kind="memory", batch_size=4, seq_len=32, simulate=True, **spec))
+        assert result["status"] == "ok", (spec, result["message"])
+
+
+def _run_jobs_dispatching(monkeypatch, dispatch) -> None:
+    """`_run_jobs` with `FakeMode.dispatch` replaced by `dispatch(ours, mode, func, types, args,
+    kwargs)`, `ours` being FakeMode's own."""
+    ours = fake.FakeMode.dispatch
+    monkeypatch.setattr(fake.FakeMode, "dispatch", lambda mode, func, types, args=(), kwargs=None:
+                        dispatch(ours, mode, func, types, args, kwargs or {}))
+    _run_jobs()
+
 def _key(build, *args):
     try:
         key = build(*args).key
@@ -44,9 +58,7 @@ def test_every_operators_key_is_pytorchs_own(monkeypatch):
         return build(self, state, func, args, kwargs)
 
     monkeypatch.setattr(fake.FakeMode, "_cache_key", both)
-    for spec in JOBS:
-        result = runner.run(Job(kind="memory", batch_size=4, seq_len=32, simulate=True, **spec))
-        assert result["status"] == "ok", (spec, result["message"])
+    _run_jobs()
     assert sum(compared) > 5000 and len(compared) > sum(compared)  # keys built, and bypasses
 
 
@@ -84,9 +96,7 @@ def test_every_cache_hits_output_is_pytorchs_own(monkeypatch):
         return out
 
     monkeypatch.setattr(fake.FakeMode, "_get_output_tensor_from_cache_entry", both)
-    for spec in JOBS:
-        result = runner.run(Job(kind="memory", batch_size=4, seq_len=32, simulate=True, **spec))
-        assert result["status"] == "ok", (spec, result["message"])
+    _run_jobs()
     assert sum(made) > 5000
 
 
@@ -106,3 +116,81 @@ def test_the_trackers_device_answer_is_the_fake_modes():
         with mode, MemoryTracker():
             ours = torch.ops.prim.device.default(t)
         assert ours == own == t.device and ours.type in ("cpu", "cuda")
+
+
+def _beside_pytorchs(monkeypatch, op, check) -> int:
+    """`_run_jobs`, with `check(ours, own, args)` at each call of `op`: FakeMode's output and
+    PyTorch's (FakeTensorMode's `dispatch`) for the same arguments; returns the calls checked."""
+    calls = []
+
+    def both(ours, mode, func, types, args, kwargs):
+        out = ours(mode, func, types, args, kwargs)
+        if func is op:
+            check(out, FakeTensorMode.dispatch(mode, func, types, args, kwargs), args)
+            calls.append(func)
+        return out
+
+    _run_jobs_dispatching(monkeypatch, both)
+    return len(calls)
+
+
+def test_an_unsafe_views_output_is_pytorchs_own(monkeypatch):
+    """`FakeMode` runs `aten._unsafe_view` as the view PyTorch's decomposition of it runs, through
+    the cache (PyTorch leaves it out): the same tensor, on its input's storage, every time the
+    training steps call it."""
+    import torch
+
+    def same(out, own, args):
+        _same_tensor(out, own)
+        assert out.untyped_storage()._cdata == own.untyped_storage()._cdata == args[0].untyped_storage()._cdata
+
+    assert _beside_pytorchs(monkeypatch, torch.ops.aten._unsafe_view.default, same) > 100
+
+
+def test_an_items_number_is_pytorchs_own(monkeypatch):
+    """`FakeMode` answers `item()` of a constant (`aten._local_scalar_dense`; an optimizer's
+    step count) with the number it holds, as PyTorch's mode does outside its cache: the same
+    number, of the same type, every time the training steps ask."""
+    import torch
+
+    constants = []
+
+    def same(out, own, args):
+        assert type(out) is type(own) and out == own
+        constants.append(args[0].constant is not None)
+
+    assert _beside_pytorchs(monkeypatch, torch.ops.aten._local_scalar_dense.default, same) > 100
+    assert sum(constants) > 100
+
+
+def test_an_inplace_foreach_with_numbers_is_pytorchs_own(monkeypatch):
+    """`FakeMode` keys an in-place foreach operator's numbers (`_foreach_div_.ScalarList`:
+    AdamW's step sizes) by their types: it returns what PyTorch's mode returns with the numbers
+    themselves (nothing) and leaves the tensors' metadata as that does; and a step's call hits
+    the cache where the numbers are new (PyTorch's key, made of them, would miss)."""
+    import torch
+
+    calls, by_types = [], []
+    seen = set()  # the calls so far, numbers and all
+
+    def metadata(args) -> list:
+        return [(t.shape, t.stride(), t.dtype) for a in args if type(a) is list
+                for t in a if isinstance(t, torch.Tensor)]
+
+    def both(ours, mode, func, types, args, kwargs):
+        if not fake._number_lists(func):
+            return ours(mode, func, types, args, kwargs)
+        before, hits = metadata(args), FakeTensorMode.cache_hits
+        out = ours(mode, func, types, args, kwargs)
+        hit = FakeTensorMode.cache_hits > hits
+        assert out is FakeTensorMode.dispatch(mode, func, types, args, kwargs) is None
+        assert metadata(args) == before
+        call = (func, repr(args))
+        if hit and call not in seen:
+            by_types.append(func)
+        seen.add(call)
+        calls.append(func)
+        return out
+
+    _run_jobs_dispatching(monkeypatch, both)
+    assert len(calls) > 20 and torch.ops.aten._foreach_addcdiv_.ScalarList in by_types
