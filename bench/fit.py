@@ -319,16 +319,18 @@ def error_rows(base: dict, memory_gb: list[float], message: str) -> list[dict]:
     return [{**base, "memory_gb": gb, "status": "error", "message": message} for gb in sorted(memory_gb)]
 
 
-def smallest_gpu(trace: list, memory: dict, resolution: int = 2**26) -> int:
-    """About the smallest GPU (to `resolution` bytes) on which `trace` replays without
-    running out of memory: between the allocated peak and the reserve of an unlimited
-    replay (the allocator frees its cache and retries before it fails), found by
-    bisection on replays. What the largest-batch search steers by; each answer it gives
-    is still a replay at the memory size itself."""
+def smallest_gpu(trace: list, memory: dict, resolution: int | None = None) -> int:
+    """About the smallest GPU on which `trace` replays without running out of memory:
+    between the allocated peak and the reserve of an unlimited replay (the allocator frees
+    its cache and retries before it fails), found by bisection on replays, to `resolution`
+    bytes (default: a sixteenth of that range, at least 64 MiB; four or five replays). What
+    the largest-batch search steers by; each answer it gives is still a replay at the memory
+    size itself."""
     from bench.measure import allocator
 
     lo = memory["predicted_allocated_peak_bytes"] + allocator.CUDA_CONTEXT_BYTES
     hi = memory["predicted_gpu_bytes"]
+    resolution = resolution or max(2**26, (hi - lo) // 16)
     replays = allocator.Rising(trace)  # each size above the last that did not fit
     if lo >= hi or replays.fits_on_gpu(lo):
         return lo
