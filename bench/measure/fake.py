@@ -88,8 +88,8 @@ class FakeMode(FakeTensorMode):
             # this mode): that view, through the cache
             return self.dispatch(_VIEW, types, args)
         lists = args and type(args[0]) is list and _number_lists(func)  # (a foreach operator's first is a list)
-        if lists and not kwargs and all(self._plain(t) for a in args if type(a) is list for t in a
-                                        if isinstance(t, torch.Tensor)):
+        if lists and not kwargs and self.shape_env is None and all(
+                self._plain(t) for a in args if type(a) is list for t in a if isinstance(t, torch.Tensor)):
             # an in-place foreach operator with a number per tensor (AdamW's step sizes, new at
             # every step, so every step would miss the cache): it makes and returns no tensor,
             # and its output (none) and its checks depend on the numbers' types, not values
