@@ -31,9 +31,10 @@ implementation in Python) for reasons that do not hold for them there; `FakeMode
 what that path would: `aten._unsafe_view` (left out of the cache; PyTorch runs its
 decomposition, `aten.view`, which `FakeMode` runs through the cache); `item()` of a constant
 (`aten._local_scalar_dense`: an optimizer's step count; PyTorch runs it on the number the
-constant holds, as `FakeMode` does, without the key); and an in-place foreach operator with a
+constant holds, as `FakeMode` does, without the key); and in-place foreach arithmetic with a
 number per tensor (AdamW's step sizes, new at each step: a miss every step), which makes and
-returns no tensor, keyed by its numbers' types rather than values. The same test file checks
+returns no tensor and whose checks read the numbers' types, keyed by those types rather than
+the values. The same test file checks
 each against PyTorch's own dispatch at every call of the training steps."""
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ class FakeMode(FakeTensorMode):
         lists = args and type(args[0]) is list and _number_lists(func)  # (a foreach operator's first is a list)
         if lists and not kwargs and self.shape_env is None and all(
                 self._plain(t) for a in args if type(a) is list for t in a if isinstance(t, torch.Tensor)):
-            # an in-place foreach operator with a number per tensor (AdamW's step sizes, new at
+            # in-place foreach arithmetic with a number per tensor (AdamW's step sizes, new at
             # every step, so every step would miss the cache): it makes and returns no tensor,
             # and its output (none) and its checks depend on the numbers' types, not values
             args = tuple([type(x)(1) for x in a] if i in lists else a for i, a in enumerate(args))
@@ -167,12 +168,17 @@ class FakeMode(FakeTensorMode):
                 FakeTensorMode._prep_args_for_hash(self, result, iter((arg,)), state, id_hashed_objects)
 
 
+# In-place foreach arithmetic whose checks read its numbers' types alone (`pow_`, `clamp_*`
+# and the like are left out: some of their checks read a value, e.g. a negative integer power)
+_BY_TYPE = frozenset(f"aten::_foreach_{name}_" for name in ("add", "sub", "mul", "div", "addcmul", "addcdiv", "lerp"))
+
+
 @functools.cache
 def _number_lists(func) -> tuple[int, ...]:
-    """The positions of the lists of numbers (`Scalar[]`) of an in-place foreach operator that
-    returns nothing (`aten._foreach_div_.ScalarList`); () for any other operator."""
+    """The positions of the lists of numbers (`Scalar[]`) of an in-place foreach arithmetic
+    operator that returns nothing (`aten._foreach_div_.ScalarList`); () for any other operator."""
     schema = getattr(func, "_schema", None)
-    if not (isinstance(func, torch._ops.OpOverload) and schema.name.startswith("aten::_foreach_")
+    if not (isinstance(func, torch._ops.OpOverload) and schema.name in _BY_TYPE
             and schema.is_mutable and not schema.returns):
         return ()
     return tuple(i for i, a in enumerate(schema.arguments) if str(a.type) == "List[number]")
