@@ -34,8 +34,8 @@ decomposition, `aten.view`, which `FakeMode` runs through the cache); `item()` o
 constant holds, as `FakeMode` does, without the key); and in-place foreach arithmetic with a
 number per tensor (AdamW's step sizes, new at each step: a miss every step), which makes and
 returns no tensor and whose checks read the numbers' types, keyed by those types rather than
-the values. The same test file checks
-each against PyTorch's own dispatch at every call of the training steps."""
+the values. The same test file checks each against PyTorch's own dispatch at every call of
+the training steps."""
 from __future__ import annotations
 
 import functools

@@ -235,18 +235,15 @@ class ShardedTracker(MemoryTracker):
         after forward all the same, by resizing their storage). Called after each group
         hook, on every group: a storage marked before (`other`, pinned, its part set) is
         passed over, as marking it again changes nothing."""
-        live, part = self._live, self._part
         for group in self._groups:
             for p in group.fsdp_params:
-                for t in p.all_gather_outputs:
-                    key = _storage_key(t)
-                    entry = live.get(key)
-                    if key is not None and (entry is None or entry[1] == "other" and entry[2]
-                                            and part.get(key) == "unsharded_param"):
+                for t in p.all_gather_outputs:  # plain tensors
+                    key = t.untyped_storage()._cdata
+                    entry = self._live.get(key)
+                    if entry is None or entry[1] == "other" and entry[2] and self._part.get(key) == "unsharded_param":
                         continue
-                    if t.untyped_storage()._cdata in live:
-                        self._add(t, "other", pinned=True, relabel=True)
-                    self._mark([t], "unsharded_param")
+                    self._add(t, "other", pinned=True, relabel=True)
+                    self._set_part(key, "unsharded_param")
 
     # -- the tracker's bookkeeping, extended ----------------------------------------
     def _add(self, tensor, category, pinned, relabel):
