@@ -27,7 +27,7 @@ which is the one the step would make; so a step well beyond the largest size's a
 (twice a first guess) is run early, and the boundaries below it are computed, not run.
 A model of 16 blocks or more (one GPU, rank 0 under FSDP2, or ZeRO's unsharded timeline)
 is not run at full depth where its copies give it: at the first batch, copies with 3, 4 and
-5 blocks give a rule for the full model's trace (checked byte for byte on a copy of 6), and
+6 blocks give a rule for the full model's trace (each copy's trace given back byte for byte), and
 later batches are read from the copy of 4 blocks (`bench.measure.trace_depth`;
 `capacity._Deep`, `capacity._DeepTimelines`). The steps count no FLOPs (fit reports
 none; `StepCost` would cost a dispatch mode per operator).

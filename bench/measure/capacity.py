@@ -313,14 +313,14 @@ class _Simulation:
 class _Deep:
     """A simulated search (one GPU, or rank 0 under FSDP2; no cost kept) of a deep model
     that reads its steps from shallow copies of it (`bench.measure.trace_depth`). At the first
-    batch, copies with `SHALLOW` blocks are run and give a rule for the trace at any depth.
-
-    The rule must give the trace of a copy it did not learn from (`CHECK` blocks) byte for
-    byte; then the first batch's record is the full depth's trace read from the rule: its
-    replay, and its split by category at the peak (the copies' traces are labelled,
-    `tracker.labelled_peak`; under FSDP2 what sharding adds there too),
-    with the parameter count and the host memory (offloading) on the line through the copies'
-    (which must hold at `CHECK`). The full model is not run.
+    batch, copies with `SHALLOW` blocks (3, 4 and 6) are run and give a rule for the trace at
+    any depth, which must give each copy's trace byte for byte (the copy of 6 blocks checks
+    the blocks found between 3 and 4, three times over; `trace_depth.Depth`). Then the first
+    batch's record is the full depth's trace read from the rule: its replay, and its split by
+    category at the peak (the copies' traces are labelled, `tracker.labelled_peak`; under
+    FSDP2 what sharding adds there too), with the parameter count and the host memory
+    (offloading) on the line through the copies' (which must hold at all three). The full
+    model is not run.
 
     Each later batch runs only the copy at `SHALLOW[1]` blocks and takes the full depth's trace
     from it where that copy's trace has the same events in the same places. A record so read
@@ -331,8 +331,7 @@ class _Deep:
     earlier ones for later batches; where none is learned, that batch and every later one
     runs at full depth."""
 
-    SHALLOW = (3, 4, 5)
-    CHECK = 6
+    SHALLOW = (3, 4, 6)
     # a model of fewer blocks runs every batch at full depth: on it, the shallow copies
     # (a warm-up and a step each) cost about what reading its batches saves
     FROM_DEPTH = 16
@@ -421,7 +420,7 @@ class _Deep:
         split, by_part = labelled_peak(labelled)
         memory = {"tier": "simulated", **split.as_row(), **step.predict_gpu(trace, None), **on_line}
         record = {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
-                  "depth": f"{self.SHALLOW[0]}-{self.CHECK}", "memory": memory}
+                  "depth": _SHALLOW_TEXT, "memory": memory}
         if self.mesh is not None:  # what sharding adds at the peak (inside `other`)
             from bench.measure import sharded
 
@@ -434,21 +433,19 @@ class _Deep:
         self.group.close()
 
 
+_SHALLOW_TEXT = f"{', '.join(map(str, _Deep.SHALLOW[:-1]))} and {_Deep.SHALLOW[-1]}"
+
+
 def _rule_from_copies(run, known: dict) -> tuple[trace_depth.Depth, dict] | None:
-    """The depth rule learned from the copies of `_Deep.SHALLOW` blocks, where it gives the copy
-    of `_Deep.CHECK` blocks byte for byte, and every copy's run by its depth; None where there
-    is none. `run(depth)`: a copy's (trace, what grows per block) at one batch, or None if it
-    failed; `known`: the runs already made."""
+    """The depth rule learned from the copies of `_Deep.SHALLOW` blocks (it gives each copy's
+    trace byte for byte), and every copy's run by its depth; None where there is none.
+    `run(depth)`: a copy's (trace, what grows per block) at one batch, or None if it failed;
+    `known`: the runs already made."""
     runs = {d: known[d] if d in known else run(d) for d in _Deep.SHALLOW}
     if any(r is None for r in runs.values()):
         return None
     rule = trace_depth.Depth({d: trace for d, (trace, _) in runs.items()})
-    if not rule.ok:
-        return None
-    runs[_Deep.CHECK] = run(_Deep.CHECK)
-    if runs[_Deep.CHECK] is None or rule.at(_Deep.CHECK) != trace_depth.numbered(runs[_Deep.CHECK][0]):
-        return None
-    return rule, runs
+    return (rule, runs) if rule.ok else None
 
 
 def _read_from_copy(rules: list, copy: tuple | None, depth: int) -> list | None:
@@ -479,8 +476,8 @@ def _on_line(runs: dict, depth: int) -> dict | None:
 
 def _say_rule(what: str, job: Job, batch: int, depth: int, first: bool, learned: bool) -> None:
     """The progress line of a rule learned (or not) from the copies at `batch`: `what` is read."""
-    said = (f"periodic in its {depth} blocks: read from copies of {_Deep.SHALLOW[0]}-{_Deep.SHALLOW[-1]} "
-            f"blocks, checked on one of {_Deep.CHECK}; later batches from a copy of {_Deep.SHALLOW[1]} blocks"
+    said = (f"periodic in its {depth} blocks: read from copies of {_SHALLOW_TEXT} blocks; later batches "
+            f"from a copy of {_Deep.SHALLOW[1]} blocks"
             if learned else "not read from shallow copies: this and later batches run at full depth")
     print(f"[{job.method} {job.model}] its {what} at batch {batch} is "
           + ("" if first else "not the rules' learned before; it is ") + said, file=sys.stderr, flush=True)
@@ -566,11 +563,11 @@ class _DeepTimelines:
     copies of it as `_Deep` reads a step's trace: the copies' runs are `zero.labelled_run`s
     (their traces also say each gradient's parameter, each module's use of its parameters
     and each optimizer step: `zero.TimelineTracker`), a rule learned at the first batch
-    from `_Deep.SHALLOW` copies and checked on `_Deep.CHECK` gives the trace at full depth,
+    from `_Deep.SHALLOW` copies gives the trace at full depth,
     and `zero.timeline_from_labelled` the timeline from it. Each copy's own timeline read
     back from its trace must be the one its run kept, or nothing is read. What does not
     grow per block in the trace (parameters, the optimizer's scalar and per-element state)
-    is read on the line through the copies (which must hold at `CHECK`); the full model's
+    is read on the line through the copies (which must hold at all three); the full model's
     parameter list from the model built on fake tensors (no step). As in a ZeRO memory job,
     each batch's run starts from a fresh model: its warm-up is at that batch."""
 
@@ -634,7 +631,7 @@ class _DeepTimelines:
             self.params = [(p.numel(), p.element_size(), p.requires_grad) for p in model.parameters()]
         self.rule, self.totals = learned[0], totals
         self.rules.insert(0, self.rule)
-        return zero.timeline_from_labelled(deep, self.params, totals), f"{_Deep.SHALLOW[0]}-{_Deep.CHECK}"
+        return zero.timeline_from_labelled(deep, self.params, totals), _SHALLOW_TEXT
 
 
 class Oracle:

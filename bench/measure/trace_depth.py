@@ -12,16 +12,19 @@ units with the copy and the depth (a backward block freeing its forward's activa
 update freeing the gradients of every block), so it is affine in the copy c and in k:
 `d = alpha + beta c + gamma k` (beta = 0 for the shallow trace's own frees).
 
-`Depth` learns this from the traces at three consecutive depths a, a + 1, a + 2 at one
-batch: the units where a + 1 differs from a (`_inserts`), their points (`_candidates`), the
-rule of each free from all three, and it holds (`ok`) only if the traces it gives at a + 1
-and a + 2 are the ones run, byte for byte. `at(depth)` gives the trace at any depth from a
-on (keys: allocation numbers, as `trace_line.Line.at`), and `read` the same rule at another
-batch from that batch's trace at a + 1 alone. Beyond a + 2 it is a claim about code that
-repeats per block, so the search that uses it (`bench.measure.capacity._Deep`) first
-checks it against the full model's own trace at one batch. A model whose blocks differ
-(alternating attention kinds) or a step with a count that is not per block (buckets of a
-fixed number of bytes) gives no rule, or one that check refuses, and runs at full depth.
+`Depth` learns this from the traces at three depths a, a + 1 and a + m (m >= 3; the search
+uses 3, 4 and 6 blocks) at one batch: the units where a + 1 differs from a (`_inserts`), their
+points (`_candidates`), the rule of each free from all three, and it holds (`ok`) only if the
+traces it gives at all three are the ones run, byte for byte. The deepest trace checks what
+was not learned from it: its events must be m copies of each unit found between a and a + 1,
+at the units' points; and every rule is over-determined (a free of the shallow trace: two
+numbers, alpha and gamma, at three depths; an inserted one: three numbers at m + 1 copies,
+one at a + 1 and m at a + m, whose spread in c checks beta). `at(depth)` gives the trace at any
+depth from a on (keys: allocation numbers, as `trace_line.Line.at`), and `read` the same rule
+at another batch from that batch's trace at a + 1 alone. Beyond a + m it is a claim about
+code that repeats per block. A model whose blocks differ (alternating attention kinds: the
+deepest trace is not copies of one block) or a step with a count that is not per block
+(buckets of a fixed number of bytes) gives no rule, and runs at full depth.
 Blocks at the ends of a run may differ from the rest (the first block of the backward has
 no gradient to add to; an early block frees its input an event later): the units' points
 are put between blocks that do not, which needs a >= 3 (two blocks at depth 2 are both
@@ -59,26 +62,27 @@ def _parse(trace: list) -> tuple[list[tuple], list[int | None]]:
 
 
 class Depth:
-    """The trace at any depth from those at three consecutive depths (see the module
+    """The trace at any depth from those at depths a, a + 1 and a + m (see the module
     docstring); `ok` is False where they are not one periodic trace."""
 
     def __init__(self, traces: dict[int, list]):
         self.a = min(traces)
         depths = sorted(traces)
+        self.ks = [d - self.a for d in depths]  # copies of each unit per depth: 0, 1, m
         parsed = [_parse(traces[d]) for d in depths]
         tokens = [t for t, _ in parsed]
         self.ok = False
         self.base = tokens[0]
         self.units: list[tuple[int, list]] = []  # (point in the shallow trace, unit's tokens)
         self.rules: dict[tuple, tuple | None] = {}  # a free's distance rule by where it sits
-        if depths != [self.a, self.a + 1, self.a + 2]:
-            raise ValueError(f"three consecutive depths are needed, not {depths}")
+        if len(depths) != 3 or self.ks[1] != 1 or self.ks[2] < 3:
+            raise ValueError(f"three depths a, a + 1 and a + 3 or deeper are needed, not {depths}")
         inserts = _inserts(tokens[0], tokens[1])
         if not inserts:
             return
         candidates = _candidates(tokens[0], parsed[0][1], inserts)
         self.units = [c[0] for c in candidates]
-        if any([t for _, t in self._layout(k)] != tokens[k] for k in (1, 2)):
+        if any([t for _, t in self._layout(k)] != tokens[i] for i, k in enumerate(self.ks) if k):
             return
         distances = [d for _, d in parsed]
         tried = [0] * len(candidates)
@@ -102,8 +106,8 @@ class Depth:
         """Each free's distance rule, keyed by where it sits (("b", i) or ("u", j, offset)),
         and the units whose frees (or the shallow trace's frees nearest their point) fit none."""
         seen: dict[tuple, list] = {}
-        for k in range(len(distances)):
-            for (where, _), d in zip(self._layout(k), distances[k]):
+        for k, ds in zip(self.ks, distances):
+            for (where, _), d in zip(self._layout(k), ds):
                 seen.setdefault(where[:2] if where[0] == "b" else where[:3], []).append(
                     (where[3] if where[0] == "u" else 0, k, d))
         rules, wrong = {}, set()

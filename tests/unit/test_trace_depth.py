@@ -16,12 +16,13 @@ from bench.measure.tracker import labelled_peak
 from bench.method import load
 
 
-def toy_step(layers: int, batch: int = 1, bucket: int | None = None) -> list:
+def toy_step(layers: int, batch: int = 1, bucket: int | None = None, every: int | None = None) -> list:
     """A toy training step's allocation trace with what makes real ones hard to read: a
     first block that frees its input a step late, a backward freeing each block's saved
     activations in reverse, an optimizer that makes a temporary per parameter then frees
     them all (a foreach op), and keys that are reused addresses. With `bucket`, gradients
-    are reduced in buckets of that many blocks (a count not per block)."""
+    are reduced in buckets of that many blocks (a count not per block); with `every`, the forward
+    of every `every`-th block makes one temporary more (two kinds of block)."""
     events, free_keys = [], []
     counter = itertools.count()
 
@@ -43,6 +44,8 @@ def toy_step(layers: int, batch: int = 1, bucket: int | None = None) -> list:
         if i:
             free(h)
         free(t)
+        if every and i % every == every - 1:
+            free(alloc(32 * batch))
         new = alloc(64 * batch)
         if not i:
             free(h)
@@ -73,7 +76,7 @@ def toy_step(layers: int, batch: int = 1, bucket: int | None = None) -> list:
 
 
 def test_a_deep_trace_follows_from_three_shallow_ones_byte_for_byte():
-    depth = Depth({n: toy_step(n) for n in (3, 4, 5)})
+    depth = Depth({n: toy_step(n) for n in (3, 4, 6)})
     assert depth.ok
     for layers in (5, 6, 9, 32):
         assert depth.at(layers) == numbered(toy_step(layers))
@@ -85,11 +88,13 @@ def test_a_deep_trace_follows_from_three_shallow_ones_byte_for_byte():
     assert depth.read(toy_step(4)[:-1]) is None
 
 
-def test_a_step_not_periodic_in_depth_is_refused_or_caught_where_it_is_used():
-    depth = Depth({n: toy_step(n, bucket=2) for n in (3, 4, 5)})
-    # either no rule, or one that gives another trace at some depth: the search uses a rule
-    # only once it gives the full model's trace at the full depth (`capacity._Deep`)
-    assert not depth.ok or any(depth.at(n) != numbered(toy_step(n, bucket=2)) for n in range(6, 13))
+def test_a_step_not_periodic_in_depth_is_refused():
+    # two kinds of block (alternating, or a fifth block of another kind: first in the deepest
+    # copy, which checks the units found between the two shallow ones), or gradients reduced
+    # in buckets of two or three blocks, give no rule
+    assert Depth({n: toy_step(n) for n in (3, 4, 6)}).ok
+    for bucket, every in ((None, 2), (None, 5), (2, None), (3, None)):
+        assert not Depth({n: toy_step(n, bucket=bucket, every=every) for n in (3, 4, 6)}).ok
 
 
 def peak_split(events: list):
@@ -111,7 +116,7 @@ def labelled(events: list) -> list:
 
 
 def test_labels_and_marks_follow_the_depth_like_frees():
-    depth = Depth({n: labelled(toy_step(n)) for n in (3, 4, 5)})
+    depth = Depth({n: labelled(toy_step(n)) for n in (3, 4, 6)})
     assert depth.ok
     for layers in (6, 32):
         deep = depth.at(layers)
@@ -164,9 +169,10 @@ def test_what_sharding_adds_at_the_peak_from_labelled_events_is_the_trackers(met
         sim.close()
 
 
-def test_consecutive_depths_are_needed():
-    with pytest.raises(ValueError, match="three consecutive"):
-        Depth({3: toy_step(3), 5: toy_step(5), 6: toy_step(6)})
+def test_depths_a_a_plus_1_and_a_plus_3_or_deeper_are_needed():
+    for depths in ((3, 5, 6), (3, 4, 5), (3, 4)):
+        with pytest.raises(ValueError, match="three depths a, a [+] 1 and a [+] 3 or deeper"):
+            Depth({n: toy_step(n) for n in depths})
 
 
 def test_links_across_each_point_by_running_count_as_by_counting_each():
@@ -187,7 +193,7 @@ def test_a_model_at_another_depth():
     assert models.family(mistral) == "mistral"
 
 
-DEEP = "llama-d64-l8-v256"  # deeper than the shallow copies (3, 4 and 5 blocks)
+DEEP = "llama-d64-l8-v256"  # deeper than the shallow copies (3, 4 and 6 blocks)
 
 
 def test_a_deep_models_trace_from_shallow_copies_is_the_full_ones():
@@ -196,7 +202,7 @@ def test_a_deep_models_trace_from_shallow_copies_is_the_full_ones():
     job = Job(kind="memory", method="adamw", model=DEEP, batch_size=8, seq_len=32, dtype="bfloat16",
               simulate=True)
     sims = {n: capacity._Simulation(replace(job, model=models.at_depth(DEEP, n)), 1, cost=False)
-            for n in (3, 4, 5)}
+            for n in (3, 4, 6)}
     full = capacity._Simulation(job, 1, cost=False)
     depth = Depth({n: sim.measure(8)[1] for n, sim in sims.items()})
     assert depth.ok and depth.at(8) == numbered(full.measure(8)[1])
@@ -204,7 +210,7 @@ def test_a_deep_models_trace_from_shallow_copies_is_the_full_ones():
     other = depth.read(at_24)
     assert other is not None and other.at(8) == numbered(full.measure(24)[1])
     # a batch is read with the first of the rules learned so far whose events its copy has
-    toy = Depth({n: toy_step(n) for n in (3, 4, 5)})
+    toy = Depth({n: toy_step(n) for n in (3, 4, 6)})
     assert toy.ok and toy.read(at_24) is None
     assert capacity._read_from_copy([toy, depth], (at_24, {}), 8) == other.at(8)
     assert capacity._read_from_copy([toy], (at_24, {}), 8) is None
@@ -269,5 +275,5 @@ def test_a_deep_models_zero_timeline_from_shallow_copies_is_the_full_ones():
     reader = capacity._DeepTimelines(job)
     for batch in (8, 24):
         read, depth = reader.at(batch)
-        assert depth == ("3-6" if batch == 8 else 4)
+        assert depth == ("3, 4 and 6" if batch == 8 else 4)
         assert read == renumbered(zero.record_timeline(replace(job, batch_size=batch), load(method)))
