@@ -266,7 +266,8 @@ def _search(oracle, job: Job, base: dict, memory_gb: list[float], batch_size: in
     def known() -> dict:  # k micro-batch units -> bytes; k = 0: the state kept between steps
         for b, r in oracle.records.items():
             if needs.get(b, (None,))[0] is not r:
-                needs[b] = r, (SmallestGpu(oracle.traces[b], r["memory"]) if r["status"] == "ok" else None)
+                needs[b] = r, (SmallestGpu(oracle.traces[b], r["memory"], oracle.resume) if r["status"] == "ok"
+                               else None)
         return {0: persistent} | {b // unit: needs[b][1] for b in oracle.records if b % unit == 0}
 
     if oracle.line is not False:
@@ -280,7 +281,7 @@ def _search(oracle, job: Job, base: dict, memory_gb: list[float], batch_size: in
     rows = []
     for gb in sorted(memory_gb):
         size = int(gb * GiB)
-        if hasattr(sim, "prefix") and not allocator.replay_on_gpu(sim.prefix, size).fits:
+        if hasattr(sim, "prefix") and not allocator.replay_on_gpu(sim.prefix, size, oracle.resume).fits:
             k = 0  # the warm-up's trace, with which every step's trace starts, does not fit
         else:
             guess = capacity.guess_largest(lambda k: oracle.need(k * unit), known, size, most, probes=())
@@ -319,19 +320,20 @@ def error_rows(base: dict, memory_gb: list[float], message: str) -> list[dict]:
     return [{**base, "memory_gb": gb, "status": "error", "message": message} for gb in sorted(memory_gb)]
 
 
-def smallest_gpu(trace: list, memory: dict, resolution: int | None = None) -> int:
+def smallest_gpu(trace: list, memory: dict, resolution: int | None = None, prefix=None) -> int:
     """About the smallest GPU on which `trace` replays without running out of memory:
     between the allocated peak and the reserve of an unlimited replay (the allocator frees
     its cache and retries before it fails), found by bisection on replays, to `resolution`
     bytes (default: a sixteenth of that range, at least 64 MiB; four or five replays). What
     the largest-batch search steers by; each answer it gives is still a replay at the memory
-    size itself."""
+    size itself. `prefix`: events the trace may start with, replayed already
+    (`allocator.Prefix`)."""
     from bench.measure import allocator
 
     lo = memory["predicted_allocated_peak_bytes"] + allocator.CUDA_CONTEXT_BYTES
     hi = memory["predicted_gpu_bytes"]
     resolution = resolution or max(2**26, (hi - lo) // 16)
-    replays = allocator.Rising(trace)  # each size above the last that did not fit
+    replays = allocator.Rising(trace, prefix)  # each size above the last that did not fit
     if lo >= hi or replays.fits_on_gpu(lo):
         return lo
     while hi - lo > resolution:  # lo does not fit, hi does
@@ -347,17 +349,17 @@ class SmallestGpu:
     settle needs no replay; the bisection runs once, where one does not (or the number itself
     is read)."""
 
-    def __init__(self, trace: list, memory: dict):
+    def __init__(self, trace: list, memory: dict, prefix=None):
         from bench.measure import allocator
 
-        self.trace, self.memory = trace, memory
+        self.trace, self.memory, self.prefix = trace, memory, prefix
         self.lo = memory["predicted_allocated_peak_bytes"] + allocator.CUDA_CONTEXT_BYTES
         self.hi = max(self.lo, memory["predicted_gpu_bytes"])
         self._bytes: int | None = None
 
     def __int__(self) -> int:
         if self._bytes is None:
-            self._bytes = smallest_gpu(self.trace, self.memory)
+            self._bytes = smallest_gpu(self.trace, self.memory, prefix=self.prefix)
         return self._bytes
 
     def __float__(self) -> float:

@@ -26,6 +26,7 @@ calibration on a real GPU measures.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
 MIN_BLOCK = 512  # kMinBlockSize
@@ -186,12 +187,42 @@ class CachingAllocator:
         bisect.insort(pool, (block.size, block.addr, block))
 
 
-def replay(events, limit_bytes: int | None = None) -> Replay:
+class Prefix:
+    """The unlimited replay of the events that every trace of a search starts with (its
+    warm-up step's: about half of each), kept so that a replay of such a trace starts after
+    them. Under a limit at least their reserved peak the allocator does there what it does
+    without one (no reservation is refused), so the state it reaches is this one. A trace
+    that does not start with them, or a lower limit, is replayed from its first event."""
+
+    def __init__(self, events: list):
+        self.events = events
+        self.state = CachingAllocator()
+        for event in events:
+            if event[0] == "alloc":
+                self.state.malloc(event[1], event[2])
+            else:
+                self.state.free(event[1])
+
+    def start(self, events: list, limit_bytes: int | None) -> tuple[int, CachingAllocator] | None:
+        """Where a replay of `events` under `limit_bytes` may start, and a copy of the state
+        there (its limit set); None where it must start at the first event."""
+        if limit_bytes is not None and self.state.reserved_peak > limit_bytes:
+            return None
+        n = len(self.events)
+        if events[:n] != self.events:
+            return None
+        alloc = self.state.snapshot()
+        alloc.limit = limit_bytes
+        return n, alloc
+
+
+def replay(events, limit_bytes: int | None = None, prefix: Prefix | None = None) -> Replay:
     """Replay `MemoryTracker` events — ("alloc", key, nbytes) and ("free", key) — through
-    the allocator model; `limit_bytes` is the memory it may reserve (None: unlimited)."""
-    alloc = CachingAllocator(limit_bytes)
+    the allocator model; `limit_bytes` is the memory it may reserve (None: unlimited);
+    `prefix`: the events it may start after (`Prefix`)."""
+    start, alloc = (prefix and prefix.start(events, limit_bytes)) or (0, CachingAllocator(limit_bytes))
     malloc, free = alloc.malloc, alloc.free
-    for event in events:
+    for event in itertools.islice(events, start, None):
         if event[0] == "alloc":
             if not malloc(event[1], event[2]):
                 return Replay(False, alloc.allocated_peak, alloc.reserved_peak, alloc.retries,
@@ -201,9 +232,9 @@ def replay(events, limit_bytes: int | None = None) -> Replay:
     return Replay(True, alloc.allocated_peak, alloc.reserved_peak, alloc.retries)
 
 
-def replay_on_gpu(events, memory_bytes: int) -> Replay:
+def replay_on_gpu(events, memory_bytes: int, prefix: Prefix | None = None) -> Replay:
     """`replay` on a GPU of `memory_bytes`, of which the CUDA context takes its share."""
-    return replay(events, memory_bytes - CUDA_CONTEXT_BYTES)
+    return replay(events, memory_bytes - CUDA_CONTEXT_BYTES, prefix)
 
 
 class Rising:
@@ -214,8 +245,9 @@ class Rising:
     replay that does not fit leaves the state at that point, and a later, larger limit
     replays from there, not from the first event."""
 
-    def __init__(self, events):
+    def __init__(self, events, prefix: Prefix | None = None):
         self.events = events
+        self.prefix = prefix  # where no limit has been refused yet: a start after it (`Prefix`)
         self.start, self.state = 0, CachingAllocator()  # the unlimited replay before events[start]
         self.floor = None  # the largest limit that did not fit: later ones must be larger
 
@@ -223,10 +255,11 @@ class Rising:
         limit = memory_bytes - CUDA_CONTEXT_BYTES
         if self.floor is not None and limit <= self.floor:
             raise ValueError(f"a limit of {limit} bytes is not above {self.floor}, which did not fit")
-        alloc = self.state.snapshot()
+        resumed = self.prefix.start(self.events, limit) if self.floor is None and self.prefix else None
+        start, alloc = resumed or (self.start, self.state.snapshot())
         alloc.limit, alloc.keep_refused = limit, True
         refused_at = None
-        for i in range(self.start, len(self.events)):
+        for i in range(start, len(self.events)):
             event = self.events[i]
             if event[0] != "alloc":
                 alloc.free(event[1])

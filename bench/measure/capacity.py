@@ -256,6 +256,7 @@ class _Simulation:
             self.tracker.label(self.method.state_tensors(self.optimizer), "optimizer")
         self.prefix = list(self.events)
         self.prefix_live = self._live()
+        self.resume = allocator.Prefix(self.prefix)  # every step's trace starts with the warm-up's
 
     def _live(self) -> dict:
         return self.tracker.live_storages()
@@ -296,7 +297,8 @@ class _Simulation:
         del self.events[mark:]
         split = self.tracker.peak_split.as_row()
         # host memory (offloading): the ledger's high-water mark so far in this process
-        memory = {"tier": "simulated", **split, **step.predict_gpu(trace, None), **self.tracker.host_row()}
+        memory = {"tier": "simulated", **split, **step.predict_gpu(trace, None, self.resume),
+                  **self.tracker.host_row()}
         record = {"status": "ok", "message": None, "memory": memory, "n_params": self.n_params,
                   "cost": cost.result() if cost is not None else None}
         if self.group is not None:  # what sharding adds at the peak (inside `other`)
@@ -351,6 +353,7 @@ class _Deep:
         self.shallow: dict[int, _Simulation] = {}
         self.prefix: list | None = None  # the warm-up's trace at full depth (as `_Simulation`'s)
         self.prefix_live: dict | None = None
+        self.resume: allocator.Prefix | None = None
         self.n_params: int | None = None
         # None: not tried yet; False: refused, or never tried for a method that plans each
         # batch shape anew (ROAM): its step at one batch says nothing of another's
@@ -368,6 +371,7 @@ class _Deep:
         if self.full is None:
             self.full = _Simulation(self.job, self.unit, cost=False, mesh=self.mesh)
             self.prefix, self.prefix_live, self.n_params = self.full.prefix, self.full.prefix_live, self.full.n_params
+            self.resume = self.full.resume
         return self.full.measure(batch)
 
     def _copy(self, depth: int, batch: int) -> tuple[list, dict] | None:
@@ -387,7 +391,7 @@ class _Deep:
             deep = _read_from_copy(self.rules, copy, self.depth)
             if deep is not None:
                 trace = _unlabelled(deep)
-                memory = {"tier": "simulated", **step.predict_gpu(trace, None)}
+                memory = {"tier": "simulated", **step.predict_gpu(trace, None, self.resume)}
                 return {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
                         "depth": self.SHALLOW[1], "memory": memory}, trace
         if self.rule is not False:
@@ -417,8 +421,9 @@ class _Deep:
         if self.prefix is None:
             self.prefix = _unlabelled(labelled[:labelled.index(("mark", "warm-up"))])
             self.prefix_live = {n: (n, size) for n, size in _alive_at_end(self.prefix).items()}
+            self.resume = allocator.Prefix(self.prefix)
         split, by_part = labelled_peak(labelled)
-        memory = {"tier": "simulated", **split.as_row(), **step.predict_gpu(trace, None), **on_line}
+        memory = {"tier": "simulated", **split.as_row(), **step.predict_gpu(trace, None, self.resume), **on_line}
         record = {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
                   "depth": _SHALLOW_TEXT, "memory": memory}
         if self.mesh is not None:  # what sharding adds at the peak (inside `other`)
@@ -737,7 +742,7 @@ class Oracle:
         n_params = next(r["n_params"] for r in self.records.values() if not r.get("line"))
         return {"status": "ok", "message": None, "n_params": n_params, "cost": None,
                 "line": sorted(self.line.batches),
-                "memory": {"tier": self.tier, **step.predict_gpu(trace, None)}}, trace
+                "memory": {"tier": self.tier, **step.predict_gpu(trace, None, self.resume)}}, trace
 
     def _follow_line(self, batch: int, record: dict, trace: list | None) -> None:
         """After a step run: it confirms the line, or widens a confirmed one, if it lies on
@@ -762,6 +767,12 @@ class Oracle:
         elif last is not None:
             line = trace_line.Line(last, (batch, trace))
             self.line = line if line.same_shape else None
+
+    @property
+    def resume(self) -> allocator.Prefix | None:
+        """The warm-up's trace, with which every step's trace starts, replayed (one GPU or
+        FSDP2; None before the first step and under ZeRO, whose warm-up is at each batch)."""
+        return getattr(self.sim, "resume", None)
 
     def close(self) -> None:
         """Let go of the simulation (a sharded one's fake process group)."""
@@ -800,7 +811,7 @@ class Oracle:
                 # under a limit the allocator does what it does without one until a reservation
                 # is refused: none is, where the unlimited replay's reserve is within it
                 return True
-            return allocator.replay_on_gpu(trace, capacity).fits
+            return allocator.replay_on_gpu(trace, capacity, self.resume).fits
         if not self.cuda:  # tracked: exact bytes; a capped run would raise iff they exceed C
             record = self._record(batch)
             return record["status"] == "ok" and self.need_of(record) <= capacity

@@ -258,17 +258,18 @@ def checked(loss: torch.Tensor, step: int) -> float:
     return value
 
 
-def predict_gpu(events: list, capacity_gb: float | None) -> dict:
+def predict_gpu(events: list, capacity_gb: float | None, prefix: allocator.Prefix | None = None) -> dict:
     """What a CUDA GPU would need for this simulated run: the allocation trace replayed
     through the caching-allocator model, plus the CUDA context; over `capacity_gb`, the
-    run is an (predicted) out-of-memory."""
-    free_run = allocator.replay(events)
+    run is an (predicted) out-of-memory. `prefix`: events the trace may start with, replayed
+    already (`allocator.Prefix`)."""
+    free_run = allocator.replay(events, None, prefix)
     predicted = {"predicted_allocated_peak_bytes": free_run.allocated_peak_bytes,
                  "reserved_peak_bytes": free_run.reserved_peak_bytes,
                  "context_bytes": allocator.CUDA_CONTEXT_BYTES,
                  "predicted_gpu_bytes": free_run.reserved_peak_bytes + allocator.CUDA_CONTEXT_BYTES}
     if capacity_gb:
-        capped = allocator.replay_on_gpu(events, int(capacity_gb * 2**30))
+        capped = allocator.replay_on_gpu(events, int(capacity_gb * 2**30), prefix)
         if not capped.fits:
             raise CapacityExceeded(
                 f"predicted out of memory on a {capacity_gb:g} GiB GPU: a {capped.failed_request_bytes:,}"

@@ -152,6 +152,32 @@ def test_rising_limits_resume_where_the_replays_agree_and_answer_as_replays_from
         rising.fits_on_gpu(ctx + MiB)
 
 
+def test_a_replay_after_a_kept_prefix_is_the_replay_from_the_first_event():
+    """`Prefix` (the unlimited replay of the events a search's traces start with, kept): a
+    replay started after it, unlimited and at limits below, at and above its reserved peak,
+    and `fit.smallest_gpu` with it, against replays from the first event; a trace that does
+    not start with it, or a limit below its peak, starts at the first event."""
+    from bench import fit
+
+    ctx = allocator.CUDA_CONTEXT_BYTES
+    started = 0
+    for trace in _traces():
+        prefix = allocator.Prefix(trace[:len(trace) // 2])
+        whole = replay(trace)
+        assert replay(trace, None, prefix) == whole
+        peak = prefix.state.reserved_peak
+        for limit in (peak - MiB, peak, peak + 7 * MiB, whole.allocated_peak_bytes, whole.reserved_peak_bytes):
+            assert replay(trace, limit, prefix) == replay(trace, limit), limit
+            started += prefix.start(trace, limit) is not None
+        assert prefix.start(trace, peak - 1) is None
+        memory = {"predicted_allocated_peak_bytes": whole.allocated_peak_bytes,
+                  "predicted_gpu_bytes": whole.reserved_peak_bytes + ctx}
+        assert fit.smallest_gpu(trace, memory, prefix=prefix) == _bisected(trace, memory)
+    assert started
+    trace = _random_trace(0)
+    assert allocator.Prefix(_random_trace(1)[:100]).start(trace, None) is None
+
+
 def test_a_snapshot_goes_on_as_the_allocator_it_copies():
     trace = _random_trace(1)
     alloc = CachingAllocator()
