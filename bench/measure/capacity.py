@@ -220,7 +220,8 @@ class _Simulation:
     simulated sharded memory job has it (`bench.measure.sharded`): sharded once, in a fake
     process group that stays the default group until another is made (`close` ends it).
     `labelled`: the traces say each storage's category (`MemoryTracker(labelled=True)`), and
-    where the warm-up's trace ends, as ("mark", "warm-up")."""
+    where the warm-up's trace ends, as ("mark", "warm-up"); such a run's record has no GPU
+    prediction (its trace is read as a shallow copy's, `_Deep`, not replayed)."""
 
     def __init__(self, job: Job, unit: int, cost: bool = True, mesh=None, labelled: bool = False):
         self.job = job
@@ -256,7 +257,8 @@ class _Simulation:
             self.tracker.label(self.method.state_tensors(self.optimizer), "optimizer")
         self.prefix = list(self.events)
         self.prefix_live = self._live()
-        self.resume = allocator.Prefix(self.prefix)  # every step's trace starts with the warm-up's
+        # every step's trace starts with the warm-up's: replays resume after it
+        self.resume = None if labelled else allocator.Prefix(self.prefix)
 
     def _live(self) -> dict:
         return self.tracker.live_storages()
@@ -297,7 +299,7 @@ class _Simulation:
         del self.events[mark:]
         split = self.tracker.peak_split.as_row()
         # host memory (offloading): the ledger's high-water mark so far in this process
-        memory = {"tier": "simulated", **split, **step.predict_gpu(trace, None, self.resume),
+        memory = {"tier": "simulated", **split, **({} if labelled else step.predict_gpu(trace, None, self.resume)),
                   **self.tracker.host_row()}
         record = {"status": "ok", "message": None, "memory": memory, "n_params": self.n_params,
                   "cost": cost.result() if cost is not None else None}
