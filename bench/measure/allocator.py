@@ -197,11 +197,7 @@ class Prefix:
     def __init__(self, events: list):
         self.events = events
         self.state = CachingAllocator()
-        for event in events:
-            if event[0] == "alloc":
-                self.state.malloc(event[1], event[2])
-            else:
-                self.state.free(event[1])
+        _go_on(self.state, events, 0)
 
     def start(self, events: list, limit_bytes: int | None) -> tuple[int, CachingAllocator] | None:
         """Where a replay of `events` under `limit_bytes` may start, and a copy of the state
@@ -221,15 +217,22 @@ def replay(events, limit_bytes: int | None = None, prefix: Prefix | None = None)
     the allocator model; `limit_bytes` is the memory it may reserve (None: unlimited);
     `prefix`: the events it may start after (`Prefix`)."""
     start, alloc = (prefix and prefix.start(events, limit_bytes)) or (0, CachingAllocator(limit_bytes))
+    failed = _go_on(alloc, events, start)
+    return Replay(failed is None, alloc.allocated_peak, alloc.reserved_peak, alloc.retries,
+                  None if failed is None else round_size(failed[2]))
+
+
+def _go_on(alloc: CachingAllocator, events, start: int) -> tuple | None:
+    """Replay `events` from `events[start]` on `alloc`: None, or the allocation that failed
+    (where the replay stops)."""
     malloc, free = alloc.malloc, alloc.free
     for event in itertools.islice(events, start, None):
         if event[0] == "alloc":
             if not malloc(event[1], event[2]):
-                return Replay(False, alloc.allocated_peak, alloc.reserved_peak, alloc.retries,
-                              round_size(event[2]))
+                return event
         else:
             free(event[1])
-    return Replay(True, alloc.allocated_peak, alloc.reserved_peak, alloc.retries)
+    return None
 
 
 def replay_on_gpu(events, memory_bytes: int, prefix: Prefix | None = None) -> Replay:
