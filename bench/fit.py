@@ -12,18 +12,18 @@ batch that fits. `--json FILE` writes the same rows.
 The model is a suite name, a shape name (`llama-d3072-l28`) or the path of a Hugging Face
 config.json of any architecture transformers builds from its config (`bench.models`).
 
-It is the machinery of the capacity kind (`bench.measure.capacity`), one fake model per
-method: a warm-up step, the step at `--batch-size`, then the largest-batch search, whose
-runs each answer every memory size by replaying the same trace under that size. The search
+It is the machinery of the capacity kind (`bench.measure.capacity`): the step at
+`--batch-size`, then the largest-batch search, each batch a memory job on fake tensors (a
+fresh model, a warm-up step and the measured step at that batch, as a training run's first
+two steps), whose trace answers every memory size by being replayed under that size. The search
 starts from a line through two points it already has: the step at `--batch-size` and the
 state that persists between steps (a batch of zero); it steers by the smallest GPU each
 run's trace replays on (`smallest_gpu`: under a cap the allocator frees its cache and
-retries, so the unlimited reserve overstates what fits). A memory size where the warm-up's
-own trace does not fit gets 0 with no run (every step's trace starts with the warm-up's).
-The boundary (the largest batch fits and the next one does not) is answered as every batch
-is: by a step run, or, between batches whose steps' traces lie on one line in the batch
-(three of them, byte for byte: `bench.measure.trace_line`), by the trace that line gives,
-which is the one the step would make; so a step well beyond the largest size's answer
+retries, so the unlimited reserve overstates what fits). The boundary (the largest batch
+fits and the next one does not) is answered as every batch is: by a step run, or,
+between batches whose steps' traces lie on one line in the batch (three of them, byte for
+byte: `bench.measure.trace_line`), by the trace that line gives, which is the one the step
+would make; so a step well beyond the largest size's answer
 (twice a first guess) is run early, and the boundaries below it are computed, not run.
 A model of 16 blocks or more (one GPU, rank 0 under FSDP2, or ZeRO's unsharded timeline)
 is not run at full depth where its copies give it: at the first batch, copies with 3, 4 and
@@ -232,11 +232,10 @@ def answer(model: str, method: str, memory_gb: list[float], batch_size: int, seq
     unit = loaded.hp["micro_batches"]
     if batch_size % unit:
         return failed(f"batch size {batch_size} is not divisible by micro_batches={unit} of {method}")
-    print(f"{label} building {model} on fake tensors" + (f" ({job.sharding}, rank 0 of {world_size})"
-                                                           if job.sharding == "fsdp" else "") + ", " +
-          (f"a timeline per batch (a warm-up and the step), modelled under {job.sharding} on {world_size} ranks"
-           if job.sharding.startswith("zero") else f"a warm-up step at batch {unit}, then the step at batch "
-                                                   f"{batch_size}"),
+    print(f"{label} {model} on fake tensors" + (f" ({job.sharding}, rank 0 of {world_size})"
+                                                  if job.sharding == "fsdp" else "")
+          + ", each batch a memory job (a fresh model, a warm-up step and the step at that batch)"
+          + (f", modelled under {job.sharding} on {world_size} ranks" if job.sharding.startswith("zero") else ""),
           file=sys.stderr, flush=True)
     oracle = capacity.Oracle(job, unit, log_prefix=label, cost=False)  # rows hold no FLOPs
     try:
@@ -266,7 +265,7 @@ def _search(oracle, job: Job, base: dict, memory_gb: list[float], batch_size: in
     def known() -> dict:  # k micro-batch units -> bytes; k = 0: the state kept between steps
         for b, r in oracle.records.items():
             if needs.get(b, (None,))[0] is not r:
-                needs[b] = r, (SmallestGpu(oracle.traces[b], r["memory"], oracle.resume) if r["status"] == "ok"
+                needs[b] = r, (SmallestGpu(oracle.traces[b], r["memory"], oracle.resume(b)) if r["status"] == "ok"
                                else None)
         return {0: persistent} | {b // unit: needs[b][1] for b in oracle.records if b % unit == 0}
 
@@ -281,11 +280,8 @@ def _search(oracle, job: Job, base: dict, memory_gb: list[float], batch_size: in
     rows = []
     for gb in sorted(memory_gb):
         size = int(gb * GiB)
-        if hasattr(sim, "prefix") and not allocator.replay_on_gpu(sim.prefix, size, oracle.resume).fits:
-            k = 0  # the warm-up's trace, with which every step's trace starts, does not fit
-        else:
-            guess = capacity.guess_largest(lambda k: oracle.need(k * unit), known, size, most, probes=())
-            k = capacity.largest_fitting(lambda k: oracle.fits(k * unit, size), guess, most)
+        guess = capacity.guess_largest(lambda k: oracle.need(k * unit), known, size, most, probes=())
+        k = capacity.largest_fitting(lambda k: oracle.fits(k * unit, size), guess, most)
         fits = oracle.fits(batch_size, size)
         if oracle.error:
             return failed(oracle.error)

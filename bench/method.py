@@ -10,11 +10,6 @@ it changes; the defaults are plain AdamW training with optional gradient accumul
 - `train_step(model, optimizer, batch)`: one optimizer step over `micro_batches`
   micro-batches; returns the mean loss as a detached tensor. Override to own the step
   (fold gradients during backward, run a planned graph).
-- `warm_up(model, optimizer, batch)`: the one step a simulated search runs before it
-  measures any batch (at one micro-batch): it must leave what a training step leaves
-  (optimizer state, counters). Default: `train_step`. ROAM, which traces and plans the
-  first step at each shape (`plans_per_shape`), makes only its state there: the search
-  plans each shape it measures anyway.
 - `loss_scaling`: whether the step scales a float16 loss (see Precision below). The
   default step does (True); a method that overrides `train_step` states it in its own
   class (a contract test checks that it does).
@@ -158,9 +153,6 @@ class Method:
             scaler.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return loss
-
-    def warm_up(self, model, optimizer, batch: dict) -> None:
-        self.train_step(model, optimizer, batch)
 
     def state_tensors(self, optimizer) -> list[torch.Tensor]:
         return [v for state in optimizer.state.values() for v in state.values()
@@ -401,9 +393,6 @@ class Stack(Method):
 
     def train_step(self, model, optimizer, batch):
         return self._owner["train_step"].train_step(model, optimizer, batch)
-
-    def warm_up(self, model, optimizer, batch):
-        self._owner["train_step"].warm_up(model, optimizer, batch)  # who owns the step warms it up
 
     def state_tensors(self, optimizer):
         return self._owner["state_tensors"].state_tensors(optimizer)

@@ -4,9 +4,9 @@
 a measured step) fits in C GiB. How it is answered depends on the tier:
 
 - simulated (fake tensors, CPU): the step's allocation trace is replayed through the
-  CUDA caching-allocator model (`bench.measure.allocator`) with C minus the CUDA context; one
-  fake model serves the whole search (`_Simulation`) and one step per batch answers
-  every C;
+  CUDA caching-allocator model (`bench.measure.allocator`) with C minus the CUDA context;
+  each batch is its memory job on a fresh fake model (`_Simulation`), whose one trace
+  answers every C;
 - tracked (real tensors, CPU): a real run at B, uncapped; the tracker counts live tensor
   bytes exactly, and a run capped at C raises exactly when they exceed C (the same run up
   to that moment), so the uncapped run's peak (over both steps) answers every C at once;
@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import replace
 
-from bench import data, models
+from bench import models
 from bench.measure import allocator, kinds, step, trace_depth, trace_line
 from bench.measure.cost import StepCost
 from bench.measure.tracker import MemoryTracker, cuda_kernels, labelled_peak
@@ -207,28 +207,29 @@ def largest_fitting(fits, guess: int, most: int) -> int:
 
 
 class _Simulation:
-    """A simulated search's runs on one fake model: the warm-up step once (it creates the
-    optimizer state), then one measured step per batch size, each as in a memory job. A
-    step's allocation trace for the allocator model is the warm-up's, then the changes
-    of the persistent state since (storages freed, storages made), then the step's own,
-    so the replay sees a step that follows a warm-up. Half the work of a fresh memory job
-    per batch size, and the same live bytes (tests hold it). `cost`: count the step's
-    FLOPs and bytes moved (`StepCost`, a dispatch mode of its own on every operator); off,
-    a record's `cost` is None and the step runs faster (`membench fit` reports no cost).
+    """One batch of a simulated search, run as a memory job at that batch runs it
+    (`kinds._memory`): a fresh fake model, the warm-up step at the batch (it creates the
+    optimizer state, as a training run's first step does), then the measured step at it. The
+    trace is both steps' allocations in order, what the allocator model replays: the GPU need
+    of the run a user would make, whose first step is at the batch too (a warm-up at a
+    smaller batch leaves the allocator other cached blocks: on Mistral-7B the need differed by
+    -4% to +7%, docs/fit.md). `cost`: count the step's FLOPs and bytes moved (`StepCost`, a
+    dispatch mode of its own on every operator); off, a record's `cost` is None and the step
+    runs faster (`membench fit` reports no cost).
 
     Under FSDP2 (`job.sharding` fsdp) the model is rank 0 of `job.world_size` as a
-    simulated sharded memory job has it (`bench.measure.sharded`): sharded once, in a fake
-    process group that stays the default group until another is made (`close` ends it).
-    `labelled`: the traces say each storage's category (`MemoryTracker(labelled=True)`), and
-    where the warm-up's trace ends, as ("mark", "warm-up"); such a run's record has no GPU
-    prediction (its trace is read as a shallow copy's, `_Deep`, not replayed)."""
+    simulated sharded memory job has it (`bench.measure.sharded`), in a fake process group
+    of its own (`close` ends it) or the caller's `mesh`. `labelled`: the trace says each
+    storage's category (`MemoryTracker(labelled=True)`), and where the warm-up's trace ends,
+    as ("mark", "warm-up"); such a run's record has no GPU prediction (its trace is read as
+    a shallow copy's, `_Deep`, not replayed). `resume`: the warm-up's trace replayed
+    (`allocator.Prefix`), where the batch's replays start (None for a labelled run)."""
 
-    def __init__(self, job: Job, unit: int, cost: bool = True, mesh=None, labelled: bool = False):
+    def __init__(self, job: Job, cost: bool = True, mesh=None, labelled: bool = False):
         self.job = job
         self.cost = cost
         self.method = load(job.method, job.hparams)
         self.fake = step.fake_mode()
-        warm = replace(job, kind="memory", batch_size=unit)
         self.group = None
         if job.sharding == "fsdp":
             from bench.measure import sharded
@@ -236,8 +237,7 @@ class _Simulation:
             self.group = contextlib.ExitStack()
             if mesh is None:  # its own fake process group, else the caller's (`_Deep`)
                 mesh = self.group.enter_context(sharded.fake_mesh(job.world_size))
-        self.model, stream = step.setup(warm, self.method, self.fake)
-        self.task, self.objective = stream.task, stream.objective
+        self.model, self.stream = step.setup(job, self.method, self.fake)
         self.events: list = []
         if self.group is not None:
             with self.fake:
@@ -249,54 +249,32 @@ class _Simulation:
             self.tracker = MemoryTracker(events=self.events, labelled=labelled)
         self.n_params = models.n_params(self.model)
         self.tracker.register_model(self.model)
-        batch = self._batch(unit)
-        with self.fake, self.tracker, cuda_kernels():
-            self.optimizer = self.method.make_optimizer(self.model)
-            self.method.warm_up(self.model, self.optimizer, batch)
-            del batch
-            self.tracker.label(self.method.state_tensors(self.optimizer), "optimizer")
-        self.prefix = list(self.events)
-        self.prefix_live = self._live()
-        # every step's trace starts with the warm-up's: replays resume after it
-        self.resume = None if labelled else allocator.Prefix(self.prefix)
+        self.prefix: list | None = None  # the warm-up's events, once `measure` has run
+        self.prefix_live: dict | None = None  # what it left alive: what a GPU keeps between steps
+        self.resume: allocator.Prefix | None = None
 
-    def _live(self) -> dict:
-        return self.tracker.live_storages()
-
-    def _batch(self, size: int) -> dict:
-        stream = data.Stream(self.task, self.objective, models.vocab_size(self.job.model), size,
-                             self.job.seq_len, self.job.seed)
-        batch = {k: self.fake.from_tensor(v) for k, v in stream.next().items()}
-        self.tracker.register(batch.values(), "other")
-        return batch
-
-    def measure(self, batch_size: int) -> tuple[dict, list]:
-        """A memory-job-like record of one measured step at `batch_size`, and its trace."""
-        # the state the warm-up left, then what is no longer or newly alive (by serial: a
-        # storage at an address the warm-up's used is another storage)
-        live = self._live()
+    def measure(self) -> tuple[dict, list]:
+        """The memory job's two steps (`kinds._memory`): a memory-job-like record of the
+        measured step, and the trace of both."""
+        take_batch = step.batch_feeder(self.stream, self.job.device, self.fake, self.tracker)
         labelled = self.tracker.labelled
-        trace = (self.prefix + [("mark", "warm-up")] * labelled
-                 + [("free", k) for k, (serial, _) in self.prefix_live.items()
-                    if live.get(k, (None,))[0] != serial]
-                 + [event for k, (serial, n) in live.items() if self.prefix_live.get(k, (None,))[0] != serial
-                    for event in ([("alloc", k, n, self.tracker.category(k)), *self.tracker.described(k)]
-                                  if labelled else [("alloc", k, n)])])
-        mark = len(self.events)
-        self.tracker.register_model(self.model)  # the grad hooks, removed on each exit
-        batch = self._batch(batch_size)  # made outside fake mode: real tokens, then faked
         with self.fake, self.tracker, cuda_kernels():
-            if self.method.plans_per_shape:  # this shape's planning step first
-                self.method.train_step(self.model, self.optimizer, batch)
+            optimizer = self.method.make_optimizer(self.model)
+            loss = self.method.train_step(self.model, optimizer, take_batch())
+            self.tracker.label(self.method.state_tensors(optimizer), "optimizer")
+            del loss
+            self.prefix, self.prefix_live = list(self.events), self.tracker.live_storages()
+            batch = take_batch()
             self.tracker.reset_peak()
             with StepCost() if self.cost else contextlib.nullcontext() as cost:
-                self.method.train_step(self.model, self.optimizer, batch)
-            self.tracker.label(self.method.state_tensors(self.optimizer), "optimizer")
-            del batch
+                loss = self.method.train_step(self.model, optimizer, batch)
+            self.tracker.label(self.method.state_tensors(optimizer), "optimizer")
+            del loss
         if cost is not None:
-            cost.add_periodic(self.optimizer)
-        trace += self.events[mark:]
-        del self.events[mark:]
+            cost.add_periodic(optimizer)
+        mark = len(self.prefix)
+        trace = self.events[:mark] + [("mark", "warm-up")] * labelled + self.events[mark:]
+        self.resume = None if labelled else allocator.Prefix(self.prefix)
         split = self.tracker.peak_split.as_row()
         # host memory (offloading): the ledger's high-water mark so far in this process
         memory = {"tier": "simulated", **split, **({} if labelled else step.predict_gpu(trace, None, self.resume)),
@@ -314,6 +292,39 @@ class _Simulation:
             self.group = None
 
 
+def _run_batch(job: Job, cost: bool = True, mesh=None, labelled: bool = False) -> tuple[dict, list, _Simulation]:
+    """`_Simulation(job, ...)`'s record and trace, and the simulation (its fake process group
+    ended)."""
+    sim = _Simulation(job, cost, mesh, labelled)
+    try:
+        record, trace = sim.measure()
+    finally:
+        sim.close()
+    return record, trace, sim
+
+
+class _Batches:
+    """A simulated search of a model run at full depth (one GPU, or rank 0 under FSDP2): each
+    batch its own memory job (`_Simulation`). `resumes`: each batch's warm-up replayed;
+    `prefix_live`: what the first batch's warm-up left alive (the state a GPU keeps between
+    steps)."""
+
+    def __init__(self, job: Job, cost: bool):
+        self.job, self.cost = job, cost
+        self.resumes: dict[int, allocator.Prefix] = {}
+        self.prefix_live: dict | None = None
+
+    def measure(self, batch_size: int) -> tuple[dict, list]:
+        record, trace, sim = _run_batch(replace(self.job, batch_size=batch_size), self.cost)
+        self.resumes[batch_size] = sim.resume
+        if self.prefix_live is None:
+            self.prefix_live = sim.prefix_live
+        return record, trace
+
+    def close(self) -> None:
+        pass
+
+
 class _Deep:
     """A simulated search (one GPU, or rank 0 under FSDP2; no cost kept) of a deep model
     that reads its steps from shallow copies of it (`bench.measure.trace_depth`). At the first
@@ -326,10 +337,12 @@ class _Deep:
     (offloading) on the line through the copies' (which must hold at all three). The full
     model is not run.
 
-    Each later batch runs only the copy at `SHALLOW[1]` blocks and takes the full depth's trace
-    from it where that copy's trace has the same events in the same places. A record so read
-    has the trace's replay, no split by category (as a record from the batch line,
-    `Oracle._from_line`), and `depth`: the shallow depth it was read from. A batch whose step
+    Each copy's run at a batch is that copy's memory job at it (`_Simulation`: a fresh model,
+    the warm-up and the step at the batch). Each later batch runs only the copy at
+    `SHALLOW[1]` blocks and takes the full depth's trace from it where that copy's trace has
+    the same events in the same places. A record so read has the trace's replay, no split
+    by category (as a record from the batch line, `Oracle._from_line`), and `depth`: the
+    shallow depth it was read from. A batch whose step
     is none of the rules' learned so far (chunks per batch, state that changes after the first
     step) learns a rule anew from the copies at that batch, as the first did, and keeps the
     earlier ones for later batches; where none is learned, that batch and every later one
@@ -340,8 +353,8 @@ class _Deep:
     # (a warm-up and a step each) cost about what reading its batches saves
     FROM_DEPTH = 16
 
-    def __init__(self, job: Job, unit: int):
-        self.job, self.unit = job, unit
+    def __init__(self, job: Job):
+        self.job = job
         # under FSDP2 all the models are rank 0 of one fake process group (a new group would
         # end the one before)
         self.group = contextlib.ExitStack()
@@ -351,11 +364,9 @@ class _Deep:
 
             self.mesh = self.group.enter_context(sharded.fake_mesh(job.world_size))
         self.depth = models.shape(job.model)[1]
-        self.full: _Simulation | None = None
-        self.shallow: dict[int, _Simulation] = {}
-        self.prefix: list | None = None  # the warm-up's trace at full depth (as `_Simulation`'s)
-        self.prefix_live: dict | None = None
-        self.resume: allocator.Prefix | None = None
+        # per batch, the warm-up's trace at full depth replayed, where its replays start
+        self.resumes: dict[int, allocator.Prefix] = {}
+        self.prefix_live: dict | None = None  # what the first batch's warm-up leaves alive
         self.n_params: int | None = None
         # None: not tried yet; False: refused, or never tried for a method that plans each
         # batch shape anew (ROAM): its step at one batch says nothing of another's
@@ -364,17 +375,25 @@ class _Deep:
         self.rules: list[trace_depth.Depth] = []  # every rule learned, the latest first
 
     def _shallow(self, depth: int, batch: int) -> tuple[dict, list]:
-        if depth not in self.shallow:
-            self.shallow[depth] = _Simulation(replace(self.job, model=models.at_depth(self.job.model, depth)),
-                                              self.unit, cost=False, mesh=self.mesh, labelled=True)
-        return self.shallow[depth].measure(batch)
+        job = replace(self.job, model=models.at_depth(self.job.model, depth), batch_size=batch)
+        return _run_batch(job, cost=False, mesh=self.mesh, labelled=True)[:2]
 
     def _full(self, batch: int) -> tuple[dict, list]:
-        if self.full is None:
-            self.full = _Simulation(self.job, self.unit, cost=False, mesh=self.mesh)
-            self.prefix, self.prefix_live, self.n_params = self.full.prefix, self.full.prefix_live, self.full.n_params
-            self.resume = self.full.resume
-        return self.full.measure(batch)
+        record, trace, sim = _run_batch(replace(self.job, batch_size=batch), cost=False, mesh=self.mesh)
+        self.resumes[batch], self.n_params = sim.resume, sim.n_params
+        if self.prefix_live is None:
+            self.prefix_live = sim.prefix_live
+        return record, trace
+
+    def _read(self, batch: int, labelled: list) -> tuple[list, dict]:
+        """The trace at full depth read from copies (`labelled`), as the allocator model reads
+        it, and its GPU prediction; its warm-up's replay kept for the batch's later replays."""
+        trace = _unlabelled(labelled)
+        warm_up = _unlabelled(labelled[:labelled.index(("mark", "warm-up"))])
+        self.resumes[batch] = resume = allocator.Prefix(warm_up)
+        if self.prefix_live is None:
+            self.prefix_live = {n: (n, size) for n, size in _alive_at_end(warm_up).items()}
+        return trace, step.predict_gpu(trace, None, resume)
 
     def _copy(self, depth: int, batch: int) -> tuple[list, dict] | None:
         """The copy of `depth` blocks at `batch`: its trace and what grows per block in its
@@ -392,8 +411,8 @@ class _Deep:
             known[self.SHALLOW[1]] = copy = self._copy(self.SHALLOW[1], batch_size)
             deep = _read_from_copy(self.rules, copy, self.depth)
             if deep is not None:
-                trace = _unlabelled(deep)
-                memory = {"tier": "simulated", **step.predict_gpu(trace, None, self.resume)}
+                trace, predicted = self._read(batch_size, deep)
+                memory = {"tier": "simulated", **predicted}
                 return {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
                         "depth": self.SHALLOW[1], "memory": memory}, trace
         if self.rule is not False:
@@ -419,13 +438,9 @@ class _Deep:
             return None
         self.rule, self.n_params = learned[0], on_line.pop("n_params")
         self.rules.insert(0, self.rule)
-        trace = _unlabelled(labelled)
-        if self.prefix is None:
-            self.prefix = _unlabelled(labelled[:labelled.index(("mark", "warm-up"))])
-            self.prefix_live = {n: (n, size) for n, size in _alive_at_end(self.prefix).items()}
-            self.resume = allocator.Prefix(self.prefix)
+        trace, predicted = self._read(batch, labelled)
         split, by_part = labelled_peak(labelled)
-        memory = {"tier": "simulated", **split.as_row(), **step.predict_gpu(trace, None, self.resume), **on_line}
+        memory = {"tier": "simulated", **split.as_row(), **predicted, **on_line}
         record = {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
                   "depth": _SHALLOW_TEXT, "memory": memory}
         if self.mesh is not None:  # what sharding adds at the peak (inside `other`)
@@ -527,7 +542,7 @@ class _ZeroRuns:
         events = result["events"]
         sizes = zero.state_sizes(timeline, cfg, result["rank"])
         record = {"status": "ok", "message": None, "n_params": timeline.unsharded["n_params"], "cost": None,
-                  "memory": {**result["memory"], **step.predict_gpu(events, None), "tier": "modelled"},
+                  "memory": {**result["memory"], **step.gpu_need(result["replay"]), "tier": "modelled"},
                   "sharding": result["sharding"],
                   "persistent_bytes": sizes.param + sizes.master + sizes.state + allocator.CUDA_CONTEXT_BYTES}
         if depth is not None:  # the timeline read from shallow copies (`_DeepTimelines`)
@@ -651,7 +666,7 @@ class Oracle:
         self.job = replace(job, kind="memory", capacity_gb=None)
         self.unit = unit
         self.cost = cost
-        self.sim: _Simulation | None = None
+        self.sim: _Batches | _Deep | _ZeroRuns | None = None
         self.simulated = job.simulate
         self.cuda = job.device.startswith("cuda")
         self.tier = (("modelled" if job.sharding.startswith("zero") else "simulated") if self.simulated
@@ -685,8 +700,7 @@ class Oracle:
         try:
             if self.sim is None:
                 self.sim = (_ZeroRuns(self.job) if self.job.sharding.startswith("zero") else
-                            _Deep(self.job, self.unit) if self.deep else
-                            _Simulation(self.job, self.unit, self.cost))
+                            _Deep(self.job) if self.deep else _Batches(self.job, self.cost))
             return self.sim.measure(batch)
         except Exception as e:  # recorded as the search's error, like a failed memory job
             return {"status": "error", "message": step.error_message(e, simulated=True)}, None
@@ -744,7 +758,7 @@ class Oracle:
         n_params = next(r["n_params"] for r in self.records.values() if not r.get("line"))
         return {"status": "ok", "message": None, "n_params": n_params, "cost": None,
                 "line": sorted(self.line.batches),
-                "memory": {"tier": self.tier, **step.predict_gpu(trace, None, self.resume)}}, trace
+                "memory": {"tier": self.tier, **step.predict_gpu(trace, None)}}, trace
 
     def _follow_line(self, batch: int, record: dict, trace: list | None) -> None:
         """After a step run: it confirms the line, or widens a confirmed one, if it lies on
@@ -770,11 +784,11 @@ class Oracle:
             line = trace_line.Line(last, (batch, trace))
             self.line = line if line.same_shape else None
 
-    @property
-    def resume(self) -> allocator.Prefix | None:
-        """The warm-up's trace, with which every step's trace starts, replayed (one GPU or
-        FSDP2; None before the first step and under ZeRO, whose warm-up is at each batch)."""
-        return getattr(self.sim, "resume", None)
+    def resume(self, batch: int) -> allocator.Prefix | None:
+        """The warm-up's trace at `batch`, with which that batch's trace starts, replayed (a
+        step run on one GPU or under FSDP2; None for one computed from the batch line, and
+        under ZeRO)."""
+        return getattr(self.sim, "resumes", {}).get(batch)
 
     def close(self) -> None:
         """Let go of the simulation (a sharded one's fake process group)."""
@@ -813,7 +827,7 @@ class Oracle:
                 # under a limit the allocator does what it does without one until a reservation
                 # is refused: none is, where the unlimited replay's reserve is within it
                 return True
-            return allocator.replay_on_gpu(trace, capacity, self.resume).fits
+            return allocator.replay_on_gpu(trace, capacity, self.resume(batch)).fits
         if not self.cuda:  # tracked: exact bytes; a capped run would raise iff they exceed C
             record = self._record(batch)
             return record["status"] == "ok" and self.need_of(record) <= capacity

@@ -264,10 +264,7 @@ def predict_gpu(events: list, capacity_gb: float | None, prefix: allocator.Prefi
     run is an (predicted) out-of-memory. `prefix`: events the trace may start with, replayed
     already (`allocator.Prefix`)."""
     free_run = allocator.replay(events, None, prefix)
-    predicted = {"predicted_allocated_peak_bytes": free_run.allocated_peak_bytes,
-                 "reserved_peak_bytes": free_run.reserved_peak_bytes,
-                 "context_bytes": allocator.CUDA_CONTEXT_BYTES,
-                 "predicted_gpu_bytes": free_run.reserved_peak_bytes + allocator.CUDA_CONTEXT_BYTES}
+    predicted = gpu_need(free_run)
     if capacity_gb:
         capped = allocator.replay_on_gpu(events, int(capacity_gb * 2**30), prefix)
         if not capped.fits:
@@ -276,8 +273,16 @@ def predict_gpu(events: list, capacity_gb: float | None, prefix: allocator.Prefi
                 f"-byte allocation does not fit (allocator model, {allocator.CUDA_CONTEXT_BYTES:,} "
                 f"bytes of CUDA context)")
         predicted["alloc_retries"] = capped.alloc_retries
-    else:
-        predicted["alloc_retries"] = free_run.alloc_retries
     return predicted
+
+
+def gpu_need(free_run: allocator.Replay) -> dict:
+    """`predict_gpu`'s fields from a trace's unlimited replay (its `alloc_retries`: that
+    replay's, as `predict_gpu` without a capacity gives them)."""
+    return {"predicted_allocated_peak_bytes": free_run.allocated_peak_bytes,
+            "reserved_peak_bytes": free_run.reserved_peak_bytes,
+            "context_bytes": allocator.CUDA_CONTEXT_BYTES,
+            "predicted_gpu_bytes": free_run.reserved_peak_bytes + allocator.CUDA_CONTEXT_BYTES,
+            "alloc_retries": free_run.alloc_retries}
 
 

@@ -441,7 +441,8 @@ def model_rank(tl: Timeline, cfg: ZeroConfig, rank: int = 0) -> dict:
     `memory` (tier "modelled", the five categories at the peak, `peak_bytes`, the allocator
     replay), `sharding` (the part of `other` at the peak that ZeRO adds: reduce buckets,
     full gradients not yet reduced, gathered parameters), `before_update` (param, grad,
-    optimizer as the optimizer step begins), `host_bytes` (ZeRO-Offload) and the events."""
+    optimizer as the optimizer step begins), `host_bytes` (ZeRO-Offload), the events and
+    their unlimited replay (`replay`)."""
     events, labels, parts, marks = _zero_events(tl, cfg, rank)
     split, sharding, before = _peak(events, labels, parts, marks)
     replayed = allocator.replay(events[:])
@@ -452,7 +453,7 @@ def model_rank(tl: Timeline, cfg: ZeroConfig, rank: int = 0) -> dict:
                        "predicted_allocated_peak_bytes": replayed.allocated_peak_bytes,
                        "reserved_peak_bytes": replayed.reserved_peak_bytes},
             "sharding": {**sharding, "bytes": sum(sharding.values())},
-            "before_update": before, "host_bytes": host, "events": events,
+            "before_update": before, "host_bytes": host, "events": events, "replay": replayed,
             "config": cfg.deepspeed(), "deepspeed_version": DEEPSPEED_VERSION}
 
 

@@ -24,8 +24,6 @@ executor: the planned order runs for real.
     every later step:
         step += 1; set the step's AdamW scalars (bias corrections, lr, eps)
         loss <- module(params, exp_avg, exp_avg_sq, scalars, buffers, batch)    (no autograd)
-    a simulated search's warm-up (`warm_up`): step += 1; make the state and the scalars
-        (no trace, no plan: the search traces and plans each shape it measures)
 
 The update is torch's AdamW (decoupled weight decay) in its `capturable` form
 (p <- p + m / (sqrt(v) / (sqrt(bc2) * -lr/bc1) + eps / (-lr/bc1))), so parameters match
@@ -119,7 +117,6 @@ class Roam(Method):
     def __init__(self):
         super().__init__()
         self._compiled: _Compiled | None = None
-        self._warm_scalars: list | None = None
 
     def _require_solver(self):
         hp = self.hp
@@ -154,16 +151,6 @@ class Roam(Method):
         finally:
             if tracker is not None:
                 _TRACKER.pop()
-
-    def warm_up(self, model, optimizer, batch):
-        """A search's warm-up (`Method.warm_up`): what the first step leaves (the state, the
-        step's scalars, the counts), without tracing and planning its shape: the search
-        traces and plans each shape it measures, outside the tracker, as this step would
-        have been."""
-        _, _, values, _ = self._count_step(model, optimizer, batch)
-        self._compiled = None
-        # held as a captured step holds its own (a list: freed in the same order)
-        self._warm_scalars = list(self._scalars(values).values())
 
     def _count_step(self, model, optimizer, batch):
         """Count a step (AdamW's state made where it is missing, its step counts) -> the
@@ -204,7 +191,6 @@ class Roam(Method):
     def _capture_and_plan(self, model, batch, params, states, values, key):
         hp = self.hp
         self._compiled = None
-        self._warm_scalars = None
         tracker = active_tracker()
         scalars = self._scalars(values)
         result: dict = {}

@@ -404,30 +404,6 @@ def test_memory_job_runs_the_plan_and_matches_its_prediction():
     assert mem["activation_bytes"] > 0  # labelled inside the graph
 
 
-def test_a_searchs_warm_up_leaves_what_a_planned_first_step_leaves(monkeypatch):
-    """ROAM's `warm_up` makes its state and scalars without tracing and planning the warm-up
-    shape: a simulated search's traces (the warm-up's, then each batch's) are the ones with a
-    whole first step (`Method.warm_up`, the step), allocation for allocation."""
-    from bench.measure import capacity
-    from bench.measure.trace_depth import numbered
-    from bench.method import Method
-    from methods.roam import Roam
-
-    job = Job(kind="memory", method="roam", model="llama-tiny", batch_size=2, seq_len=16, simulate=True,
-              hparams={"time_limit": 0.01})
-
-    def traces():
-        sim = capacity._Simulation(job, 1, cost=False)
-        planned = sim.method._compiled is not None
-        return planned, numbered(sim.prefix), numbered(sim.measure(2)[1])  # the warm-up's scalars freed in it
-
-    planned, prefix, steps = traces()
-    monkeypatch.setattr(Roam, "warm_up", Method.warm_up)
-    whole = traces()
-    assert not planned and whole[0]  # the warm-up planned nothing; a whole first step plans
-    assert prefix == whole[1] and steps == whole[2]
-
-
 def test_simulated_tier_equals_tracked(tiny_job):
     job = dict(method="roam", model="bert-tiny", hparams={"time_limit": 0.2})
     real = runner.run(tiny_job(**job))

@@ -104,7 +104,7 @@ def _traces():
     out = [_random_trace(seed) for seed in range(3)]
     for method, unit in (("adamw", 1), ("checkpointing", 1), ("grad_accum", 4)):
         job = Job(kind="capacity", method=method, model="gpt2-tiny", batch_size=16, seq_len=64, simulate=True)
-        out.append(capacity._Simulation(job, unit, cost=False).measure(16)[1])
+        out.append(capacity._Simulation(job, cost=False).measure()[1])
     return out
 
 

@@ -1,5 +1,6 @@
 """GPU memory sizes: the largest-batch and largest-model searches."""
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -95,27 +96,26 @@ def test_simulation_accuracy_pairs_the_same_cell():
 
 
 # grad_accum and AdamA (micro-batches of 4) opt-in (`heavy`): test_fit holds grad_accum's
-# answers from one simulation per search
+# answers from memory jobs
 @pytest.mark.parametrize("method", ["adamw", pytest.param("grad_accum", marks=pytest.mark.heavy),
                                     pytest.param("adama", marks=pytest.mark.heavy), "galore", "roam"])
-def test_one_fake_model_per_search_gives_a_memory_jobs_bytes(tiny_job, method):
+def test_a_searchs_batch_is_its_memory_job_in_every_byte(tiny_job, method):
+    """Each batch of a simulated search is run as the memory job at that batch (a warm-up
+    step and the step, both at the batch): the same bytes by category and the same trace,
+    so the same GPU need, replayed from the first event or after the kept warm-up."""
     unit = 4 if method in ("grad_accum", "adama") else 1
     hparams = PAIR_HPARAMS.get(method, {})  # ROAM's budget as in its memory pair
-    sim = capacity._Simulation(tiny_job(kind="capacity", method=method, seq_len=64,
-                                        simulate=True, hparams=hparams), unit)
-    alone = {}  # batch -> its memory job: batch 8 is measured twice, its memory job run once
-    for batch in (8, 4 * unit, 8):
-        record, trace = sim.measure(batch)
-        if batch not in alone:
-            alone[batch] = runner.run(tiny_job(method=method, batch_size=batch, seq_len=64, simulate=True,
-                                               hparams=hparams))
-        job = alone[batch]
-        for key in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes",
-                    "activation_bytes", "other_bytes"):
-            assert record["memory"][key] == job["memory"][key], (batch, key)
-        # the allocator sees the same step after a warm-up: within a few segments
-        assert abs(record["memory"]["reserved_peak_bytes"]
-                   - job["memory"]["reserved_peak_bytes"]) <= 4 * allocator.LARGE_BUFFER
+    for batch in (8, 4 * unit):
+        job = tiny_job(method=method, batch_size=batch, seq_len=64, simulate=True, hparams=hparams)
+        sim = capacity._Simulation(replace(job, kind="capacity"))
+        record, trace = sim.measure()
+        alone = runner.run(job)
+        for key in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
+                    "other_bytes", "predicted_allocated_peak_bytes", "reserved_peak_bytes", "predicted_gpu_bytes"):
+            assert record["memory"][key] == alone["memory"][key], (batch, key)
+        whole = allocator.replay(trace)
+        assert record["memory"]["reserved_peak_bytes"] == whole.reserved_peak_bytes
+        assert trace[:len(sim.prefix)] == sim.prefix and allocator.replay(trace, None, sim.resume) == whole
 
 
 def test_a_batch_size_claim_compares_the_same_memory_size():

@@ -144,9 +144,8 @@ def test_the_peak_split_of_a_labelled_trace_is_the_trackers(method):
     """The split at the peak replayed from a step's labelled events is the tracker's own."""
     job = Job(kind="memory", method=method, model="llama-d64-l2-v256", batch_size=4, seq_len=32,
               dtype="bfloat16", simulate=True)
-    sim = capacity._Simulation(job, 1, cost=False, labelled=True)
     for batch in (4, 8):
-        record, trace = sim.measure(batch)
+        record, trace = capacity._Simulation(replace(job, batch_size=batch), cost=False, labelled=True).measure()
         assert peak_split(trace).as_row() == {k: record["memory"][k] for k in peak_split(trace).as_row()}
 
 
@@ -157,16 +156,12 @@ def test_what_sharding_adds_at_the_peak_from_labelled_events_is_the_trackers(met
     labelled events (with its parts and storage resizes), are the tracker's own."""
     job = Job(kind="memory", method=method, model="llama-d64-l2-v256", batch_size=4, seq_len=32,
               dtype="bfloat16", simulate=True, world_size=8, sharding="fsdp")
-    sim = capacity._Simulation(job, 1, cost=False, labelled=True)
-    try:
-        for batch in (4, 8):
-            record, trace = sim.measure(batch)
-            assert peak_split(trace).as_row() == {k: record["memory"][k] for k in peak_split(trace).as_row()}
-            parts = {p: labelled_peak(trace)[1].get(p, 0) for p in sharded.SHARDING_PARTS}
-            assert parts == {k: record["sharding"][k] for k in sharded.SHARDING_PARTS}
-            assert parts["unsharded_param"]  # not a check of nothing
-    finally:
-        sim.close()
+    for batch in (4, 8):
+        record, trace, _ = capacity._run_batch(replace(job, batch_size=batch), cost=False, labelled=True)
+        assert peak_split(trace).as_row() == {k: record["memory"][k] for k in peak_split(trace).as_row()}
+        parts = {p: labelled_peak(trace)[1].get(p, 0) for p in sharded.SHARDING_PARTS}
+        assert parts == {k: record["sharding"][k] for k in sharded.SHARDING_PARTS}
+        assert parts["unsharded_param"]  # not a check of nothing
 
 
 def test_depths_a_a_plus_1_and_a_plus_3_or_deeper_are_needed():
@@ -201,14 +196,15 @@ def test_a_deep_models_trace_from_shallow_copies_is_the_full_ones():
     the learning batch and, read from the 4-block copy, at another."""
     job = Job(kind="memory", method="adamw", model=DEEP, batch_size=8, seq_len=32, dtype="bfloat16",
               simulate=True)
-    sims = {n: capacity._Simulation(replace(job, model=models.at_depth(DEEP, n)), 1, cost=False)
-            for n in (3, 4, 6)}
-    full = capacity._Simulation(job, 1, cost=False)
-    depth = Depth({n: sim.measure(8)[1] for n, sim in sims.items()})
-    assert depth.ok and depth.at(8) == numbered(full.measure(8)[1])
-    at_24 = sims[4].measure(24)[1]
+    def trace(depth: int, batch: int) -> list:  # the memory job's, of a copy of `depth` blocks
+        model = DEEP if depth == 8 else models.at_depth(DEEP, depth)
+        return capacity._Simulation(replace(job, model=model, batch_size=batch), cost=False).measure()[1]
+
+    depth = Depth({n: trace(n, 8) for n in (3, 4, 6)})
+    assert depth.ok and depth.at(8) == numbered(trace(8, 8))
+    at_24 = trace(4, 24)
     other = depth.read(at_24)
-    assert other is not None and other.at(8) == numbered(full.measure(24)[1])
+    assert other is not None and other.at(8) == numbered(trace(8, 24))
     # a batch is read with the first of the rules learned so far whose events its copy has
     toy = Depth({n: toy_step(n) for n in (3, 4, 6)})
     assert toy.ok and toy.read(at_24) is None
