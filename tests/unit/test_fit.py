@@ -36,7 +36,7 @@ def answered(qwen2, tmp_path_factory):
 
     err = io.StringIO()
     # in this process (--jobs 1): two spawned workers would double its time; answers from
-    # worker processes: test_answers_are_the_pre_optimisation_ones_with_any_number_of_workers
+    # worker processes: test_answers_are_the_memory_jobs_with_any_number_of_workers
     with contextlib.redirect_stderr(err):
         code = fit.main(["--model", qwen2, "--methods", *METHODS, "--batch-size", "4",
                          "--seq-len", "32", "--memory-gb", *map(str, SIZES), "--max-batch", "16",
@@ -235,7 +235,7 @@ HELD_ANSWERS = {
     (1, ["adamw", "checkpointing", "grad_accum"]),
     (2, ["lomo", "galore_layerwise", "qlora"]),
 ])
-def test_answers_are_the_pre_optimisation_ones_with_any_number_of_workers(jobs, methods, tmp_path):
+def test_answers_are_the_memory_jobs_with_any_number_of_workers(jobs, methods, tmp_path):
     import contextlib
     import io
 
