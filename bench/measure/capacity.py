@@ -47,8 +47,12 @@ from bench.job import Job
 
 def search(job: Job, memory_gb: list[float], max_batch: int, unit: int) -> dict:
     """Largest batch (a multiple of `unit`, at most `max_batch`) that fits in each memory
-    size; `job` gives the model, method and settings (its batch size is not used)."""
-    oracle = Oracle(job, unit)
+    size; `job` gives the model, method and settings (its batch size is not used).
+    Simulated, the search's steps count no FLOPs (so a deep model's batches are read from
+    its shallow copies and the batch line, `_Deep`, `trace_line`); each answer's cost is
+    its memory job's at full depth, run once per answer (`_cost`)."""
+    oracle = Oracle(job, unit, cost=not job.simulate)
+    costs: dict[int, dict] = {}  # answer -> its cost
     sizes = []
     for gb in sorted(memory_gb):
         capacity = int(gb * 2**30)
@@ -63,11 +67,19 @@ def search(job: Job, memory_gb: list[float], max_batch: int, unit: int) -> dict:
         record = oracle.records.get(best) or oracle.capped.get((best, capacity))
         sizes.append({"memory_gb": gb, "largest_batch": best, "at_max_batch": k == max_batch // unit,
                       "needed_bytes_at_largest": oracle.need_of(record) if record else None,
-                      "cost_at_largest": (record or {}).get("cost")})
+                      "cost_at_largest": ((costs.get(best) or costs.setdefault(best, _cost(job, best)))
+                                          if oracle.simulated and record and not oracle.error
+                                          else (record or {}).get("cost"))})
     oracle.close()
     return {"tier": oracle.tier, "unit": unit, "max_batch": max_batch,
             "context_bytes": allocator.CUDA_CONTEXT_BYTES if oracle.simulated else 0,
             "sizes": sizes, "runs": oracle.runs, "error": oracle.error}
+
+
+def _cost(job: Job, batch: int) -> dict:
+    """The FLOPs and bytes moved of `job`'s step at `batch` (`StepCost`), from its simulated
+    memory job at full depth."""
+    return _run_batch(replace(job, kind="memory", batch_size=batch, capacity_gb=None))[0]["cost"]
 
 
 def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
@@ -97,9 +109,9 @@ def search_model(job: Job, memory_gb: list[float], unit: int) -> dict:
             weights[i] = (n, n * step.DTYPES[job.dtype].itemsize // share)
         return weights[i][1]
 
-    def oracle(i: int) -> Oracle:
+    def oracle(i: int) -> Oracle:  # a rung's step: its cost is not reported (its FLOPs not counted)
         if i not in oracles:
-            oracles[i] = Oracle(replace(job, model=rungs[i]), unit, runs)
+            oracles[i] = Oracle(replace(job, model=rungs[i]), unit, runs, cost=False)
         return oracles[i]
 
     def too_large(i: int, capacity: int) -> bool:

@@ -69,6 +69,10 @@ def test_simulated_search_answers_every_size_from_one_run_per_batch(tiny_job):
     for size in found["sizes"]:
         best, cap = size["largest_batch"], size["memory_gb"] * 2**30
         assert needs[best] <= cap < needs[best + 1]
+    # the search's steps count no FLOPs; an answer's cost is its memory job's
+    best = found["sizes"][0]["largest_batch"]
+    alone = runner.run(tiny_job(batch_size=best, seq_len=64, simulate=True))
+    assert found["sizes"][0]["cost_at_largest"] == alone["cost"] and alone["cost"]["flops"] > 0
 
 
 def test_a_failing_job_is_a_capacity_error_not_a_crash(tiny_job):
