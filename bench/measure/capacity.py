@@ -51,7 +51,7 @@ def search(job: Job, memory_gb: list[float], max_batch: int, unit: int) -> dict:
     Simulated, the search's steps count no FLOPs (so a deep model's batches are read from
     its shallow copies and the batch line, `_Deep`, `trace_line`); each answer's cost is
     its memory job's at full depth, run once per answer (`_cost`)."""
-    oracle = Oracle(job, unit, cost=not job.simulate)
+    oracle = Oracle(job, unit, cost=False)  # (a run on real tensors keeps its memory job's cost)
     costs: dict[int, dict] = {}  # answer -> its cost
     sizes = []
     for gb in sorted(memory_gb):
@@ -65,11 +65,11 @@ def search(job: Job, memory_gb: list[float], max_batch: int, unit: int) -> dict:
               f"{' (the cap)' if best and k == max_batch // unit else ''}; {len(oracle.runs)} runs "
               f"so far", file=sys.stderr, flush=True)
         record = oracle.records.get(best) or oracle.capped.get((best, capacity))
+        if oracle.simulated and record and not oracle.error and best not in costs:
+            costs[best] = _cost(job, best)
         sizes.append({"memory_gb": gb, "largest_batch": best, "at_max_batch": k == max_batch // unit,
                       "needed_bytes_at_largest": oracle.need_of(record) if record else None,
-                      "cost_at_largest": ((costs.get(best) or costs.setdefault(best, _cost(job, best)))
-                                          if oracle.simulated and record and not oracle.error
-                                          else (record or {}).get("cost"))})
+                      "cost_at_largest": costs.get(best) if oracle.simulated else (record or {}).get("cost")})
     oracle.close()
     return {"tier": oracle.tier, "unit": unit, "max_batch": max_batch,
             "context_bytes": allocator.CUDA_CONTEXT_BYTES if oracle.simulated else 0,
@@ -317,17 +317,17 @@ def _run_batch(job: Job, cost: bool = True, mesh=None, labelled: bool = False) -
 
 class _Batches:
     """A simulated search of a model run at full depth (one GPU, or rank 0 under FSDP2): each
-    batch its own memory job (`_Simulation`). `resumes`: each batch's warm-up replayed;
-    `prefix_live`: what the first batch's warm-up left alive (the state a GPU keeps between
-    steps)."""
+    batch its own memory job (`_Simulation`; under FSDP2 in the caller's `mesh`, if any).
+    `resumes`: each batch's warm-up replayed; `prefix_live`: what the first batch's warm-up
+    left alive (the state a GPU keeps between steps)."""
 
-    def __init__(self, job: Job, cost: bool):
-        self.job, self.cost = job, cost
+    def __init__(self, job: Job, cost: bool, mesh=None):
+        self.job, self.cost, self.mesh = job, cost, mesh
         self.resumes: dict[int, allocator.Prefix] = {}
         self.prefix_live: dict | None = None
 
     def measure(self, batch_size: int) -> tuple[dict, list]:
-        record, trace, sim = _run_batch(replace(self.job, batch_size=batch_size), self.cost)
+        record, trace, sim = _run_batch(replace(self.job, batch_size=batch_size), self.cost, self.mesh)
         self.resumes[batch_size] = sim.resume
         if self.prefix_live is None:
             self.prefix_live = sim.prefix_live
@@ -337,7 +337,7 @@ class _Batches:
         pass
 
 
-class _Deep:
+class _Deep(_Batches):
     """A simulated search (one GPU, or rank 0 under FSDP2; no cost kept) of a deep model
     that reads its steps from shallow copies of it (`bench.measure.trace_depth`). At the first
     batch, copies with `SHALLOW` blocks (3, 4 and 6) are run and give a rule for the trace at
@@ -358,7 +358,7 @@ class _Deep:
     is none of the rules' learned so far (chunks per batch, state that changes after the first
     step) learns a rule anew from the copies at that batch, as the first did, and keeps the
     earlier ones for later batches; where none is learned, that batch and every later one
-    runs at full depth."""
+    runs at full depth (`_Batches.measure`)."""
 
     SHALLOW = (3, 4, 6)
     # a model of fewer blocks runs every batch at full depth: on it, the shallow copies
@@ -366,19 +366,16 @@ class _Deep:
     FROM_DEPTH = 16
 
     def __init__(self, job: Job):
-        self.job = job
         # under FSDP2 all the models are rank 0 of one fake process group (a new group would
         # end the one before)
         self.group = contextlib.ExitStack()
-        self.mesh = None
+        mesh = None
         if job.sharding == "fsdp":
             from bench.measure import sharded
 
-            self.mesh = self.group.enter_context(sharded.fake_mesh(job.world_size))
+            mesh = self.group.enter_context(sharded.fake_mesh(job.world_size))
+        super().__init__(job, cost=False, mesh=mesh)
         self.depth = models.shape(job.model)[1]
-        # per batch, the warm-up's trace at full depth replayed, where its replays start
-        self.resumes: dict[int, allocator.Prefix] = {}
-        self.prefix_live: dict | None = None  # what the first batch's warm-up leaves alive
         self.n_params: int | None = None
         # None: not tried yet; False: refused, or never tried for a method that plans each
         # batch shape anew (ROAM): its step at one batch says nothing of another's
@@ -391,10 +388,8 @@ class _Deep:
         return _run_batch(job, cost=False, mesh=self.mesh, labelled=True)[:2]
 
     def _full(self, batch: int) -> tuple[dict, list]:
-        record, trace, sim = _run_batch(replace(self.job, batch_size=batch), cost=False, mesh=self.mesh)
-        self.resumes[batch], self.n_params = sim.resume, sim.n_params
-        if self.prefix_live is None:
-            self.prefix_live = sim.prefix_live
+        record, trace = super().measure(batch)
+        self.n_params = record["n_params"]
         return record, trace
 
     def _read(self, batch: int, labelled: list) -> tuple[list, dict]:
