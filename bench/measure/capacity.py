@@ -16,9 +16,10 @@ a measured step) fits in C GiB. How it is answered depends on the tier:
 Peak memory is close to linear in the batch (activations grow with it, the rest does
 not), so two probes give a line, the line gives a guess per C, and the search gallops and
 bisects from the guess to the boundary: the answer B fits and B + one unit (the method's micro-batch
-count, since a batch must split into equal micro-batches) does not, both run, not
-extrapolated (on CUDA, both run under the capped allocator). Every run is kept in the
-result as evidence.
+count, since a batch must split into equal micro-batches) does not, both answered by their
+step, never extrapolated: simulated, run or derived byte for byte from steps run (a deep
+model's shallow copies, `_Deep`; the batch line, `trace_line`); on CUDA, both run under the
+capped allocator. Every run is kept in the result as evidence.
 
 The largest model (`search_model`) is the same search over the family's ladder of sizes
 (`bench.models.ladder`) at a fixed batch: peak memory grows about geometrically along

@@ -575,7 +575,8 @@ def capacity_section(sources: Sources) -> str:
                                      if s in g.index else "–" for s in sizes])
         rows.append([fam, BASELINE] + [parameters_text(g.loc[s, "base_params"]) if s in g.index else "–"
                                        for s in sizes])
-    return ("Each number is a search's boundary (that size trains, the next does not, both run), "
+    return ("Each number is a search's boundary (that size trains, the next does not, each answered by "
+            "its step: run, or derived byte for byte from shallow copies or steps run at other batches), "
             "in the simulated tier: the step on fake tensors, its allocations replayed through a "
             "model of PyTorch's caching allocator, within the memory size less an assumed CUDA "
             "context.\n\n" + markdown_table(rows, ["family", "method"] + [f"{s:g} GiB" for s in sizes],

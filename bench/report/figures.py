@@ -748,7 +748,8 @@ def figure_capacity(summary: pd.DataFrame) -> plt.Figure:
                      fontsize=10)
     _finish_capacity(fig, title, table,
                      "Each point is a search's answer: that batch fits and the next one (one "
-                     "more micro-batch) does not, both run. x on the floor: not even one "
+                     "more micro-batch) does not, each answered by its step (run, or simulated from steps "
+                     "run, byte for byte: shallow copies, the batch line). x on the floor: not even one "
                      "micro-batch fits. Open triangle: the search's largest batch fitted, so the "
                      "answer is at least that." + (
                          " Simulated tier: what a CUDA GPU needs is predicted by replaying the "
@@ -813,8 +814,9 @@ def figure_model_capacity(summary: pd.DataFrame) -> plt.Figure:
                      "Each point is a search's answer along the family's ladder of sizes (its "
                      "published sizes, and sizes between them with width and depth grown "
                      "together, about 1.25x the layer weights per step): that size trains at the "
-                     "batch and the next does not, both run (or its weights alone exceed the "
-                     "memory). x on the floor: not even the first size fits. Open triangle: the "
+                     "batch and the next does not, each answered by its step (run, or simulated from "
+                     "shallow copies, byte for byte), or its weights alone exceed the memory. x on "
+                     "the floor: not even the first size fits. Open triangle: the "
                      "ladder's largest size fits, so at least it.", methods, colors, failed, "from")
     return fig
 

@@ -228,7 +228,8 @@ def capacity_section(summary: pd.DataFrame) -> str:
     if models is None and gpus is None and batches is None:
         return "_No capacity jobs._"
     return ("Each answer is a search's boundary: that size (or batch) trains and the next "
-            "does not, both run. In the simulated tier a run fits when its allocations, "
+            "does not, each answered by its step (run, or in the simulated tier derived byte for byte "
+            "from steps run: shallow copies, the batch line). In the simulated tier a run fits when its allocations, "
             "replayed through a model of PyTorch's CUDA caching allocator, stay within the "
             "memory size minus 0.5 GiB of CUDA context (an assumption until calibrated on a "
             "GPU).\n\n" + "\n\n".join(p for p in (models, gpus, batches) if p is not None))
