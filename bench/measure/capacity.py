@@ -386,6 +386,14 @@ class _Deep(_Batches):
 
     def _shallow(self, depth: int, batch: int) -> tuple[dict, list]:
         job = replace(self.job, model=models.at_depth(self.job.model, depth), batch_size=batch)
+        if self.mesh is None and _takes_zero(job):  # the run ZeRO's timelines read too (`_copy_run`)
+            from bench.measure import zero
+
+            timeline, trace, _ = _copy_run(job, self.job.model)
+            memory = {"tier": "simulated", **timeline.unsharded}
+            record = {"status": "ok", "message": None, "n_params": memory.pop("n_params"), "memory": memory,
+                      "cost": None}
+            return record, zero.memory_trace(trace)
         return _run_batch(job, cost=False, mesh=self.mesh, labelled=True)[:2]
 
     def _full(self, batch: int) -> tuple[dict, list]:
@@ -544,7 +552,7 @@ class _ZeroRuns:
         from bench.measure import zero
 
         job = replace(self.job, batch_size=batch_size)
-        timeline, depth = _timeline(job)
+        timeline, depth, copy_line = _timeline(job)
         cfg = zero.ZeroConfig(stage=int(job.sharding[-1]), world_size=job.world_size)
         result = zero.model_ranks(timeline, cfg)["max"]
         events = result["events"]
@@ -555,6 +563,8 @@ class _ZeroRuns:
                   "persistent_bytes": sizes.param + sizes.master + sizes.state + allocator.CUDA_CONTEXT_BYTES}
         if depth is not None:  # the timeline read from shallow copies (`_DeepTimelines`)
             record["depth"] = depth
+        if copy_line:  # the copy's step computed from the line through its runs at these batches
+            record["copy_line"] = copy_line
         return record, events
 
     def close(self) -> None:
@@ -568,8 +578,8 @@ _READERS: dict = {}  # the unsharded job (its batch aside) -> its `_DeepTimeline
 def _timeline(job: Job):
     """The ZeRO timeline of `job`'s unsharded step (`zero.record_timeline`): of a model of
     `_Deep.FROM_DEPTH` blocks or more, read from shallow copies where they give it
-    (`_DeepTimelines`), else run at full depth. A record of the read says from which
-    copies (`depth`)."""
+    (`_DeepTimelines`), else run at full depth: (timeline, the copies it was read from or
+    None, the batches of the copy's line it was computed from or None)."""
     from bench.measure import zero
 
     unsharded = replace(job, world_size=1, sharding="none")
@@ -584,7 +594,7 @@ def _timeline(job: Job):
             reader = _READERS.setdefault(reader_key, _DeepTimelines(unsharded))
             read = reader.at(job.batch_size)
         _TIMELINES[key] = (job.method, job.model), read or (
-            zero.record_timeline(unsharded, load(job.method, job.hparams)), None)
+            zero.record_timeline(unsharded, load(job.method, job.hparams)), None, None)
     return _TIMELINES[key][1]
 
 
@@ -615,14 +625,17 @@ class _DeepTimelines:
         from bench.measure import zero
 
         job = replace(self.job, model=models.at_depth(self.job.model, depth), batch_size=batch)
-        timeline, trace, totals = zero.labelled_run(job, load(job.method, job.hparams))
+        timeline, trace, totals = _copy_run(job, self.job.model)
         if zero.timeline_from_labelled(trace, timeline.params, totals) != timeline:
             return None
         return trace, totals
 
     def at(self, batch: int) -> tuple | None:
-        """(The timeline at full depth, the copies it was read from), or None where the
-        copies do not give it."""
+        """(The timeline at full depth, the copies it was read from, the batches of the
+        line the copy's step was computed from or None), or None where the copies do not
+        give it. A later batch's copy of `_Deep.SHALLOW[1]` blocks is computed from that
+        copy's runs (the one-GPU search's, `_copy_run`) where they lie on a line
+        (`_copy_on_line`), else run."""
         try:
             return self._read(batch)
         except Exception:  # noqa: BLE001 - a model that has no shallow copy runs at full depth
@@ -634,10 +647,14 @@ class _DeepTimelines:
 
         known, first = {}, self.rule is None
         if self.rule:  # read from the copy of SHALLOW[1] blocks
-            known[_Deep.SHALLOW[1]] = copy = self._run(_Deep.SHALLOW[1], batch)
+            job = replace(self.job, model=models.at_depth(self.job.model, _Deep.SHALLOW[1]), batch_size=batch)
+            copy, line = _copy_on_line(job, self.job.model) or (None, None)
+            if copy is None:
+                copy = self._run(_Deep.SHALLOW[1], batch)
+            known[_Deep.SHALLOW[1]] = copy
             deep = _read_from_copy(self.rules, copy, self.depth)
             if deep is not None:
-                return zero.timeline_from_labelled(deep, self.params, self.totals), _Deep.SHALLOW[1]
+                return zero.timeline_from_labelled(deep, self.params, self.totals), _Deep.SHALLOW[1], line
         if self.rule is False:
             return None
         self.rule = False  # until one is learned at this batch
@@ -661,7 +678,72 @@ class _DeepTimelines:
             self.params = [(p.numel(), p.element_size(), p.requires_grad) for p in model.parameters()]
         self.rule, self.totals = learned[0], totals
         self.rules.insert(0, self.rule)
-        return zero.timeline_from_labelled(deep, self.params, totals), _SHALLOW_TEXT
+        return zero.timeline_from_labelled(deep, self.params, totals), _SHALLOW_TEXT, None
+
+
+_COPIES: dict = {}  # a shallow copy's job (its batch aside) -> {batch: its `_copy_run`}: the last method's only
+
+
+def _copy_run(job: Job, model: str) -> tuple:
+    """A shallow copy (of `model`) at a batch run once for both searches that read it: the
+    one-GPU search (`_Deep`) and ZeRO's timelines (`_DeepTimelines`) run the same step (a
+    fresh model, the warm-up and the step at the batch, unsharded). It is run under ZeRO's
+    tracker, whose events are the memory job's with the timeline's own among them
+    (`zero.labelled_run`, `zero.memory_trace`): its timeline, labelled trace and totals."""
+    from bench.measure import zero
+
+    runs = _copy_runs(job, model)
+    if job.batch_size not in runs:
+        runs[job.batch_size] = zero.labelled_run(job, load(job.method, job.hparams))
+    return runs[job.batch_size]
+
+
+def _copy_runs(job: Job, model: str) -> dict:
+    """The runs of `job`'s copy kept so far, by batch (`_copy_run`)."""
+    key = json.dumps(replace(job, batch_size=0).to_dict(), sort_keys=True)
+    owner = (job.method, model, json.dumps(job.hparams, sort_keys=True))
+    if key not in _COPIES and any(was != owner for was, _ in _COPIES.values()):
+        _COPIES.clear()
+    return _COPIES.setdefault(key, (owner, {}))[1]
+
+
+def _copy_on_line(job: Job, model: str) -> tuple[tuple, list] | None:
+    """A copy's labelled trace and totals at `job.batch_size` computed from its runs at other
+    batches (`_copy_run`, kept by the one-GPU search or ZeRO's earlier batches) where they
+    lie on a line in the batch (`trace_line.Line`, on labelled events): the nearest runs on
+    either side, and a third run on their line byte for byte, every total on it too; each
+    run's timeline the one its trace says. ((trace, totals), the batches of the line), or
+    None where there is no such line."""
+    from bench.measure import zero
+
+    batch, runs = job.batch_size, _copy_runs(job, model)
+    below, above = [b for b in runs if b < batch], [b for b in runs if b > batch]
+    if not below or not above or len(runs) < 3:
+        return None
+    lo, hi = max(below), min(above)
+    line = trace_line.Line((lo, runs[lo][1]), (hi, runs[hi][1]))
+
+    def total(name: str, at: int) -> int | None:  # on the line through lo and hi, if a whole number
+        low, high = runs[lo][2][name], runs[hi][2][name]
+        value, rest = divmod(low * (hi - lo) + (high - low) * (at - lo), hi - lo)
+        return None if rest else value
+
+    third = next((b for b in runs if b not in (lo, hi) and line.holds(b, runs[b][1])
+                  and all(total(name, b) == value for name, value in runs[b][2].items())), None)
+    trace = line.at(batch) if third is not None else None
+    totals = {name: total(name, batch) for name in runs[lo][2]}
+    if trace is None or None in totals.values() or any(
+            zero.timeline_from_labelled(runs[b][1], runs[b][0].params, runs[b][2]) != runs[b][0]
+            for b in (lo, hi, third)):
+        return None
+    return (trace, totals), sorted((lo, third, hi))
+
+
+def _takes_zero(job: Job) -> bool:
+    """Whether ZeRO's model takes `job`'s method at some stage (its timelines are then read
+    from the same copies as the one-GPU search's steps)."""
+    method = load(job.method, job.hparams)
+    return any(kinds.can_shard(method, f"zero{stage}") for stage in (1, 2, 3))
 
 
 class Oracle:
@@ -735,8 +817,10 @@ class Oracle:
                 said += f" (not run: on the line through batches {', '.join(map(str, record['line']))})"
             elif record.get("depth"):
                 depth = record["depth"]
-                said += (f" (read from the copy of {depth} blocks)" if isinstance(depth, int)
-                         else f" (read from copies of {depth} blocks)")
+                said += (f" (read from copies of {depth} blocks)" if not isinstance(depth, int)
+                         else f" (read from the copy of {depth} blocks, its step not run: on the line through its "
+                              f"batches {', '.join(map(str, record['copy_line']))})" if record.get("copy_line")
+                         else f" (read from the copy of {depth} blocks)")
         now = time.perf_counter()
         print(f"{self.log_prefix} batch {batch} -> {said} ({now - self._started:.1f} s)",
               file=sys.stderr, flush=True)

@@ -26,28 +26,38 @@ _ALLOC = -2
 
 def shape_and_sizes(trace: list) -> tuple[tuple, list[int]]:
     """The trace's shape (per event: _ALLOC, or the number of the allocation it frees) and
-    its allocation sizes, in order."""
+    its allocation sizes, in order. A labelled trace's events (`MemoryTracker(labelled=True)`
+    and ZeRO's `TimelineTracker`) keep what they say beside the size in its shape: an
+    allocation's category, a mark, and a label's or a timeline event's allocation number."""
     shape, sizes, number = [], [], {}
     for event in trace:
-        if event[0] == "alloc":
+        kind = event[0]
+        if kind == "alloc":
             number[event[1]] = len(sizes)
-            shape.append(_ALLOC)
+            shape.append(_ALLOC if len(event) == 3 else ("alloc", *event[3:]))
             sizes.append(event[2])
-        else:
+        elif kind == "free":
             shape.append(number.pop(event[1], _UNKNOWN))
+        elif kind == "mark":
+            shape.append(event)
+        else:  # a label, or a timeline's event: of an allocation, by its number
+            shape.append((kind, number.get(event[1], _UNKNOWN), *event[2:]))
     return tuple(shape), sizes
 
 
 def rebuilt(shape: tuple, sizes: list[int]) -> list:
-    """The trace of a shape and sizes, its keys allocation numbers (a free of a storage the
-    trace never allocated is left out: the allocator model ignores it)."""
+    """The trace of a shape and sizes, its keys allocation numbers (an event of a storage the
+    trace never allocated is left out: the allocator model ignores it; `numbered` too)."""
     trace, n = [], 0
     for op in shape:
-        if op == _ALLOC:
-            trace.append(("alloc", n, sizes[n]))
+        if op == _ALLOC or (isinstance(op, tuple) and op[0] == "alloc"):
+            trace.append(("alloc", n, sizes[n], *op[1:]) if isinstance(op, tuple) else ("alloc", n, sizes[n]))
             n += 1
-        elif op != _UNKNOWN:
-            trace.append(("free", op))
+        elif isinstance(op, int):
+            if op != _UNKNOWN:
+                trace.append(("free", op))
+        elif op[0] == "mark" or op[1] != _UNKNOWN:
+            trace.append(op)
     return trace
 
 

@@ -59,7 +59,6 @@ import math
 import os
 import pickle
 import tempfile
-import warnings
 from dataclasses import astuple, dataclass, field
 from functools import cached_property
 
@@ -262,7 +261,15 @@ class TimelineTracker(MemoryTracker):
 
 def _watch_modules(model, tracker: TimelineTracker, uses: list):
     """Mark each module's forward and backward (the modules that hold parameters directly),
-    with the indices of its parameters: stage 3 gathers them there."""
+    with the indices of its parameters: stage 3 gathers them there.
+
+    The backward marks hang on the graph the forward made and add no node to it: "use" as
+    the node that made the module's output starts (a pre-hook), "done" once the module's
+    nodes that give its inputs their gradients have run (post-hooks on them), or right after
+    "use" where no input needs a gradient (the embedding's token ids), as a full backward
+    hook fires. A full backward hook (`register_full_backward_hook`) would wrap the inputs and
+    outputs in nodes of its own that hold gradients longer: frees move, and the timeline would
+    not be the memory job's trace (`capacity._Deep` reads that from the same runs)."""
     index = {id(p): i for i, p in enumerate(model.parameters())}
     handles = []
     for module in model.modules():
@@ -272,17 +279,53 @@ def _watch_modules(model, tracker: TimelineTracker, uses: list):
         own = [index[id(p)] for p in params]
 
         def mark(kind, own=own, params=params):
-            def hook(*_):
-                uses.append((kind, tracker.count, own))
-                if tracker.labelled:
-                    tracker.events.extend((kind, p.untyped_storage()._cdata, (i, len(params)))
-                                          for i, p in enumerate(params))
-            return hook
+            uses.append((kind, tracker.count, own))
+            if tracker.labelled:
+                tracker.events.extend((kind, p.untyped_storage()._cdata, (i, len(params)))
+                                      for i, p in enumerate(params))
 
-        handles += [module.register_forward_pre_hook(mark("use")), module.register_forward_hook(mark("done")),
-                    module.register_full_backward_pre_hook(mark("use")),
-                    module.register_full_backward_hook(mark("done"))]
+        def after(_, args, kwargs, output, mark=mark):
+            mark("done")
+            out = next((t for t in (output if isinstance(output, (tuple, list)) else (output,))
+                        if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+            if out is not None and torch.is_grad_enabled():
+                inputs = [t.grad_fn for t in (*args, *kwargs.values())
+                          if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+                _mark_backward(out.grad_fn, inputs, mark)
+
+        handles += [module.register_forward_pre_hook(lambda *_, mark=mark: mark("use")),
+                    module.register_forward_hook(after, with_kwargs=True)]
     return handles
+
+
+def _mark_backward(node, inputs: list, mark) -> None:
+    """Hooks on the graph from `node` (a module's output) back to the module's `inputs`
+    (their nodes): "use" before `node` runs, "done" after the last of the nodes that give
+    an input its gradient (`_watch_modules`)."""
+    edges, seen, todo = [], {node}, [node]
+    while todo:
+        n = todo.pop()
+        if any(nxt in inputs for nxt, _ in n.next_functions):
+            edges.append(n)
+        for nxt, _ in n.next_functions:
+            if nxt is not None and nxt not in seen and nxt not in inputs and nxt.next_functions:
+                seen.add(nxt)
+                todo.append(nxt)
+    left, at_once = [len(edges)], not edges  # the hooks hold no node: a node holding itself is never freed
+
+    def use(*_):
+        mark("use")
+        if at_once:
+            mark("done")
+
+    def ran(*_):
+        left[0] -= 1
+        if left[0] == 0:
+            mark("done")
+
+    node.register_prehook(use)
+    for n in edges:
+        n.register_hook(ran)
 
 
 def record_timeline(job: Job, method: Method) -> Timeline:
@@ -313,17 +356,14 @@ def labelled_run(job: Job, method: Method, labelled: bool = True) -> tuple[Timel
         updates[-1][1] = tracker.count
         tracker.mark("updated")
 
-    with fake or contextlib.nullcontext(), tracker, cuda_kernels(), warnings.catch_warnings():
-        # the marks' backward hooks on a module whose inputs need no gradient (the embedding's
-        # token ids) fire for its outputs, as the marks want; torch warns of it
-        warnings.filterwarnings("ignore", "Full backward hook is firing when gradients are computed with respect "
-                                          "to module outputs", UserWarning)
+    with fake or contextlib.nullcontext(), tracker, cuda_kernels():
         optimizer = method.make_optimizer(model)
         optimizer.register_step_pre_hook(update_starts)
         optimizer.register_step_post_hook(update_ends)
         loss = method.train_step(model, optimizer, take_batch())
         tracker.label(method.state_tensors(optimizer), "optimizer")
         del loss
+        tracker.mark("warm-up")  # where a search's batch starts its replays (`capacity._Simulation`)
         batch = take_batch()
         tracker.reset_peak()
         measured_from = tracker.count
@@ -336,13 +376,24 @@ def labelled_run(job: Job, method: Method, labelled: bool = True) -> tuple[Timel
     totals = {"n_params": models.n_params(model),
               "optimizer_scalars": sum(t.untyped_storage().nbytes() for t in state if t.numel() == 1),
               "state_elements": sum(t.numel() for t in state if t.numel() > 1),
-              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+              "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+              **tracker.host_row()}
     params = [(p.numel(), p.element_size(), p.requires_grad) for p in model.parameters()]
     trace = list(tracker.events)  # as the step left them (the model's frees when it goes are not the step's)
     events = [e[:3] for e in trace if e[0] in ("alloc", "free")] if labelled else trace
     timeline = _assemble(events, dict(tracker.labels), dict(tracker.owner), params, uses, measured_from,
                          [tuple(u) for u in updates], totals, tracker.peak_split)
     return timeline, trace, totals
+
+
+def memory_trace(trace: list) -> list:
+    """A labelled run's trace (`labelled_run`) as the memory job's tracker keeps it: without
+    the events only the timeline reads (`TimelineTracker`: each gradient's parameter, the
+    modules' uses, the optimizer steps)."""
+    return [e for e in trace if e[0] not in ("grad_of", "use", "done") and e not in _UPDATE_MARKS]
+
+
+_UPDATE_MARKS = (("mark", "update"), ("mark", "updated"))
 
 
 def _assemble(events, labels, owner, params, uses, measured_from, updates, totals, split) -> Timeline:
@@ -353,7 +404,8 @@ def _assemble(events, labels, owner, params, uses, measured_from, updates, total
             backwards.append((min(made), max(made) + 1))
     return Timeline(events, labels, owner, params, uses, measured_from, updates, backwards,
                     totals["optimizer_scalars"], totals["state_elements"] // max(1, totals["trainable"]),
-                    {**split.as_row(), "n_params": totals["n_params"]})
+                    {**split.as_row(), "n_params": totals["n_params"], "host_peak_bytes": totals["host_peak_bytes"],
+                     "transfer_bytes": totals["transfer_bytes"]})
 
 
 def timeline_from_labelled(trace: list, params: list, totals: dict) -> Timeline:

@@ -270,6 +270,44 @@ def test_a_deep_models_zero_timeline_from_shallow_copies_is_the_full_ones():
               simulate=True)
     reader = capacity._DeepTimelines(job)
     for batch in (8, 24):
-        read, depth = reader.at(batch)
+        read, depth, _ = reader.at(batch)
         assert depth == ("3, 4 and 6" if batch == 8 else 4)
         assert read == renumbered(zero.record_timeline(replace(job, batch_size=batch), load(method)))
+
+
+def test_a_copys_step_on_the_line_through_its_runs_is_its_run(monkeypatch):
+    """The one-GPU search and ZeRO's timelines share a copy's runs (`capacity._copy_run`: each
+    batch run once), and a batch between them on one line is computed from them
+    (`capacity._copy_on_line`): the labelled trace and totals the copy's run at that batch
+    gives, byte for byte; nothing beyond them."""
+    capacity._COPIES.clear()
+    job = Job(kind="memory", method="adamw", model=models.at_depth(DEEP, 4), batch_size=8, seq_len=32,
+              dtype="bfloat16", simulate=True)
+    run, runs = zero.labelled_run, []
+    monkeypatch.setattr(zero, "labelled_run", lambda job, method: runs.append(job.batch_size) or run(job, method))
+    for batch in (4, 8, 20, 8):
+        capacity._copy_run(replace(job, batch_size=batch), DEEP)
+    assert runs == [4, 8, 20]
+    (trace, totals), line = capacity._copy_on_line(replace(job, batch_size=12), DEEP)
+    assert line == [4, 8, 20]
+    _, labelled, kept = run(replace(job, batch_size=12), load("adamw"))
+    assert trace == numbered(labelled) and totals == kept
+    assert capacity._copy_on_line(replace(job, batch_size=24), DEEP) is None
+    capacity._COPIES.clear()
+
+
+def test_zero_rows_from_the_one_gpu_searchs_copies_are_the_full_depths(monkeypatch, capsys):
+    """ZeRO-3 after the one-GPU search (as `membench fit --gpus 1 4` answers them): its
+    timelines read from the copies that search ran, some computed on their line, give the
+    rows that every batch run at full depth gives."""
+    def rows(from_depth: int) -> list[dict]:
+        monkeypatch.setattr(capacity._Deep, "FROM_DEPTH", from_depth)
+        for kept in (capacity._TIMELINES, capacity._READERS, capacity._COPIES):
+            kept.clear()
+        task = dict(model=DEEP, method="adamw", batch_size=8, seq_len=32, dtype="bfloat16", max_batch=64)
+        fit.answer(**task, memory_gb=[0.55], world_size=1, sharding="none")
+        return fit.answer(**task, memory_gb=[1.2, 1.48], world_size=4, sharding="zero3")
+
+    read = rows(8)
+    assert "its step not run: on the line through its batches" in capsys.readouterr().err
+    assert read == rows(9)

@@ -5,6 +5,7 @@ within their stated bounds; stage 3 against FSDP2's sharding rule; and the model
 DeepSpeed itself on CPU processes (gloo) where deepspeed is installed."""
 import importlib.util
 import math
+import warnings
 
 import pytest
 import torch
@@ -205,3 +206,52 @@ def test_the_methods_that_cannot_give_one_are_refused_before_any_job():
     refused = sorted(set(available()) - set(ZERO_METHODS))
     assert {"chunked_ce", "offload_optimizer"} <= set(refused)
     assert all(not kinds.can_shard(load(m), s) for m in refused for s in ("zero1", "zero2", "zero3"))
+
+
+# ZeRO's tracker keeps the memory job's trace: its marks hang on the graph without moving a free
+# (a module's full backward hooks would add nodes that hold gradients longer), so one run of a
+# shallow copy serves the one-GPU search and ZeRO's timelines (`capacity._copy_run`)
+# (gpt2-tiny's opt-in, `heavy`: 12 s more)
+@pytest.mark.parametrize("model", ["llama-d64-l4-v256", pytest.param("gpt2-tiny", marks=pytest.mark.heavy)])
+def test_the_timelines_run_is_the_memory_jobs_step(model):
+    from bench.measure import capacity
+    from bench.measure.trace_depth import numbered
+
+    for method in ZERO_METHODS:
+        unit = load(method).hp.get("micro_batches", 1)
+        job = Job(kind="memory", method=method, model=model, batch_size=4 * unit, seq_len=32, simulate=True)
+        record, trace = capacity._Simulation(job, cost=False, labelled=True).measure()
+        timeline, labelled, _ = zero.labelled_run(job, load(method))
+        assert numbered(zero.memory_trace(labelled)) == numbered(trace), method
+        assert timeline.unsharded == {**{k: v for k, v in record["memory"].items() if k != "tier"},
+                                      "n_params": record["n_params"]}, method
+
+
+@pytest.mark.parametrize("method", ["adamw", "lora", "checkpointing", "dora"])
+def test_the_backward_marks_are_where_full_backward_hooks_fire(method):
+    """The modules' marks against PyTorch's own full backward hooks, which add nodes to the
+    graph (their run's allocations and frees fall elsewhere, so positions are not compared):
+    the same modules marked, in the same order, forward and backward."""
+    job = Job(kind="memory", method=method, model="llama-d64-l4-v256", batch_size=4, seq_len=32, simulate=True)
+    ours = zero.record_timeline(job, load(method))
+
+    def full_hooks(model, tracker, uses):
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        handles = []
+        for module in model.modules():
+            own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+            if own:
+                def mark(kind, own=own):
+                    return lambda *_: uses.append((kind, tracker.count, own))
+                handles += [module.register_forward_pre_hook(mark("use")), module.register_forward_hook(mark("done")),
+                            module.register_full_backward_pre_hook(mark("use")),
+                            module.register_full_backward_hook(mark("done"))]
+        return handles
+
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # full backward hooks on modules whose inputs need no gradient
+        patch.setattr(zero, "_watch_modules", full_hooks)
+        theirs = zero.record_timeline(job, load(method))
+    assert [(k, own) for k, _, own in ours.uses] == [(k, own) for k, _, own in theirs.uses]
+    forwards = 2 * len({tuple(own) for _, _, own in ours.uses})  # each module's forward, in both steps
+    assert sum(kind == "use" for kind, _, _ in ours.uses) > forwards  # and backward marks beside them
