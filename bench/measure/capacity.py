@@ -271,17 +271,14 @@ class _Simulation:
         measured step, and the trace of both."""
         take_batch = step.batch_feeder(self.stream, self.job.device, self.fake, self.tracker)
         labelled = self.tracker.labelled
-        with self.fake, self.tracker, cuda_kernels():
-            optimizer = self.method.make_optimizer(self.model)
-            loss = self.method.train_step(self.model, optimizer, take_batch())
-            self.tracker.label(self.method.state_tensors(optimizer), "optimizer")
-            del loss
+        cost = StepCost() if self.cost else None
+
+        def warmed_up():
             self.prefix, self.prefix_live = list(self.events), self.tracker.live_storages()
-            batch = take_batch()
-            self.tracker.reset_peak()
-            with StepCost() if self.cost else contextlib.nullcontext() as cost:
-                loss = self.method.train_step(self.model, optimizer, batch)
-            self.tracker.label(self.method.state_tensors(optimizer), "optimizer")
+
+        with self.fake, self.tracker, cuda_kernels():
+            optimizer, loss = step.memory_steps(self.method, self.model, self.tracker, take_batch,
+                                                after_warm_up=warmed_up, measured=cost)
             del loss
         if cost is not None:
             cost.add_periodic(optimizer)

@@ -190,23 +190,21 @@ def _memory(job: Job, method: Method, model, stream, fake=None) -> dict:
     tracker.register_model(model)
 
     out = {}
+    cost, stats = StepCost(), {}  # the measured step's FLOPs, bytes and ops (bench.measure.cost)
+
+    def warmed_up():
+        out["first_step_peak_bytes"] = tracker.peak
+
+    @contextlib.contextmanager
+    def measured():
+        with cost, cuda_peak() if cuda else contextlib.nullcontext({}) as peak:
+            yield
+        stats.update(peak)  # filled as the CUDA peak's block ends
+
     kernels = contextlib.nullcontext() if cuda else cuda_kernels()
     with fake or contextlib.nullcontext(), tracker, kernels:
-        optimizer = method.make_optimizer(model)
-        loss = method.train_step(model, optimizer, take_batch())
-        tracker.label(method.state_tensors(optimizer), "optimizer")
-        check(loss, 0)
-        out["first_step_peak_bytes"] = tracker.peak
-        del loss  # the measured step starts from the persistent state and its own batch
-        batch = take_batch()
-        tracker.reset_peak()
-        with StepCost() as cost:  # the measured step's FLOPs, bytes and ops (bench.measure.cost)
-            if cuda:
-                with cuda_peak() as stats:
-                    loss = method.train_step(model, optimizer, batch)
-            else:
-                loss = method.train_step(model, optimizer, batch)
-        tracker.label(method.state_tensors(optimizer), "optimizer")
+        optimizer, loss = step.memory_steps(method, model, tracker, take_batch, check=check,
+                                            after_warm_up=warmed_up, measured=measured())
         out["loss"] = check(loss, 1)
     cost.add_periodic(optimizer)
     out["cost"] = cost.result()

@@ -489,19 +489,16 @@ def _memory(job: Job, method: Method, model, stream, fake) -> dict:
     tracker.watch(model)
 
     out: dict = {}
-    with fake or contextlib.nullcontext(), tracker, cuda_kernels():
-        optimizer = method.make_optimizer(model)
-        before_update: list = []  # the live split as each optimizer step begins
+    before_update: list = []  # the live split as each optimizer step begins
+
+    def hooked(optimizer):
         if hasattr(optimizer, "_optimizer_step_pre_hooks"):  # a torch.optim.Optimizer's hooks
             optimizer.register_step_pre_hook(lambda *_: before_update.append(tracker.live_split()))
-        loss = method.train_step(model, optimizer, take_batch())
-        tracker.label(method.state_tensors(optimizer), "optimizer")
-        out["first_step_peak_bytes"] = tracker.peak
-        del loss
-        batch = take_batch()
-        tracker.reset_peak()
-        loss = method.train_step(model, optimizer, batch)
-        tracker.label(method.state_tensors(optimizer), "optimizer")
+
+    with fake or contextlib.nullcontext(), tracker, cuda_kernels():
+        optimizer, loss = step.memory_steps(
+            method, model, tracker, take_batch, on_optimizer=hooked,
+            after_warm_up=lambda: out.update(first_step_peak_bytes=tracker.peak))
         out["loss"] = None if fake is not None else step.checked(loss, 1)
         del loss
         after = tracker.live_split()

@@ -251,6 +251,39 @@ def batch_feeder(stream: data.Stream, device: str, fake, tracker, steps: int = 2
     return take
 
 
+def memory_steps(method: Method, model, tracker, take_batch, on_optimizer=None, check=None, after_warm_up=None,
+                 measured=None):
+    """A memory job's two steps, inside the caller's fake mode (if any) and `tracker`: the
+    optimizer made, the warm-up step (it creates the optimizer state, as a training run's
+    first step does), then the measured step on the next batch (`take_batch`,
+    `batch_feeder`) from a reset peak; the optimizer's state labelled after each. Every
+    memory job runs these (`kinds._memory`, `sharded._memory`), and so does every batch of
+    a simulated search (`capacity._Simulation`) and every ZeRO timeline
+    (`zero.labelled_run`): a search's batch is its memory job by construction.
+    `on_optimizer(optimizer)`: before the warm-up (step hooks); `check(loss, 0)`: the warm-up's
+    loss (a real run's divergence); `after_warm_up()`: once the warm-up is done (its state
+    labelled, its loss let go), before the measured step's batch;
+    `measured`: a context manager entered around the measured step alone, after its batch
+    and the peak's reset (its cost, its CUDA peak). Returns the optimizer and the measured
+    step's loss."""
+    optimizer = method.make_optimizer(model)
+    if on_optimizer is not None:
+        on_optimizer(optimizer)
+    loss = method.train_step(model, optimizer, take_batch())
+    tracker.label(method.state_tensors(optimizer), "optimizer")
+    if check is not None:
+        check(loss, 0)
+    del loss  # the measured step starts from the persistent state and its own batch
+    if after_warm_up is not None:
+        after_warm_up()
+    batch = take_batch()
+    tracker.reset_peak()
+    with measured or contextlib.nullcontext():
+        loss = method.train_step(model, optimizer, batch)
+    tracker.label(method.state_tensors(optimizer), "optimizer")
+    return optimizer, loss
+
+
 def checked(loss: torch.Tensor, step: int) -> float:
     value = float(loss)
     if not math.isfinite(value):

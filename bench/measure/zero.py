@@ -356,19 +356,21 @@ def labelled_run(job: Job, method: Method, labelled: bool = True) -> tuple[Timel
         updates[-1][1] = tracker.count
         tracker.mark("updated")
 
-    with fake or contextlib.nullcontext(), tracker, cuda_kernels():
-        optimizer = method.make_optimizer(model)
+    def hooked(optimizer):
         optimizer.register_step_pre_hook(update_starts)
         optimizer.register_step_post_hook(update_ends)
-        loss = method.train_step(model, optimizer, take_batch())
-        tracker.label(method.state_tensors(optimizer), "optimizer")
-        del loss
-        tracker.mark("warm-up")  # where a search's batch starts its replays (`capacity._Simulation`)
-        batch = take_batch()
-        tracker.reset_peak()
-        measured_from = tracker.count
-        loss = method.train_step(model, optimizer, batch)
-        tracker.label(method.state_tensors(optimizer), "optimizer")
+
+    measured_from = []
+
+    @contextlib.contextmanager
+    def measured():
+        measured_from.append(tracker.count)
+        yield
+
+    with fake or contextlib.nullcontext(), tracker, cuda_kernels():
+        # "warm-up": where a search's batch starts its replays (`capacity._Simulation`)
+        optimizer, loss = step.memory_steps(method, model, tracker, take_batch, on_optimizer=hooked,
+                                            after_warm_up=lambda: tracker.mark("warm-up"), measured=measured())
         del loss
         state = method.state_tensors(optimizer)
     for h in handles:
@@ -381,7 +383,7 @@ def labelled_run(job: Job, method: Method, labelled: bool = True) -> tuple[Timel
     params = [(p.numel(), p.element_size(), p.requires_grad) for p in model.parameters()]
     trace = list(tracker.events)  # as the step left them (the model's frees when it goes are not the step's)
     events = [e[:3] for e in trace if e[0] in ("alloc", "free")] if labelled else trace
-    timeline = _assemble(events, dict(tracker.labels), dict(tracker.owner), params, uses, measured_from,
+    timeline = _assemble(events, dict(tracker.labels), dict(tracker.owner), params, uses, measured_from[0],
                          [tuple(u) for u in updates], totals, tracker.peak_split)
     return timeline, trace, totals
 
