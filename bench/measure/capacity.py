@@ -814,10 +814,13 @@ class Oracle:
                 said += f" (not run: on the line through batches {', '.join(map(str, record['line']))})"
             elif record.get("depth"):
                 depth = record["depth"]
-                said += (f" (read from copies of {depth} blocks)" if not isinstance(depth, int)
-                         else f" (read from the copy of {depth} blocks, its step not run: on the line through its "
-                              f"batches {', '.join(map(str, record['copy_line']))})" if record.get("copy_line")
-                         else f" (read from the copy of {depth} blocks)")
+                if not isinstance(depth, int):
+                    said += f" (read from copies of {depth} blocks)"
+                elif record.get("copy_line"):
+                    said += (f" (read from the copy of {depth} blocks, its step not run: on the line through its "
+                             f"batches {', '.join(map(str, record['copy_line']))})")
+                else:
+                    said += f" (read from the copy of {depth} blocks)"
         now = time.perf_counter()
         print(f"{self.log_prefix} batch {batch} -> {said} ({now - self._started:.1f} s)",
               file=sys.stderr, flush=True)
