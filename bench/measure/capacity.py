@@ -356,7 +356,14 @@ class _Deep(_Batches):
     is none of the rules' learned so far (chunks per batch, state that changes after the first
     step) learns a rule anew from the copies at that batch, as the first did, and keeps the
     earlier ones for later batches; where none is learned, that batch and every later one
-    runs at full depth (`_Batches.measure`)."""
+    runs at full depth (`_Batches.measure`).
+
+    Under FSDP2 the rules are kept for the method's searches at every GPU count
+    (`_shared_rules`): rank 0's step at another count has the same events in the same places,
+    other sizes, so a later count's first batch is read from its 4-block copy alone with a
+    rule learned at an earlier count (its split by category from that read, as a learned
+    rule's), where the parameter count is the one learned and no copy keeps host memory
+    (offloading's per-rank bytes change with the count: those learn at each count)."""
 
     SHALLOW = (3, 4, 6)
     # a model of fewer blocks runs every batch at full depth: on it, the shallow copies
@@ -379,7 +386,9 @@ class _Deep(_Batches):
         # batch shape anew (ROAM): its step at one batch says nothing of another's
         self.rule: trace_depth.Depth | bool | None = (False if load(job.method, job.hparams).plans_per_shape
                                                       else None)
-        self.rules: list[trace_depth.Depth] = []  # every rule learned, the latest first
+        # every rule learned, the latest first (under FSDP2, at any GPU count: `_shared_rules`)
+        self.shared = _shared_rules(job)
+        self.rules: list[trace_depth.Depth] = self.shared["rules"]
 
     def _shallow(self, depth: int, batch: int) -> tuple[dict, list]:
         job = replace(self.job, model=models.at_depth(self.job.model, depth), batch_size=batch)
@@ -420,10 +429,19 @@ class _Deep(_Batches):
 
     def measure(self, batch_size: int) -> tuple[dict, list]:
         known, first = {}, self.rule is None
-        if self.rule:  # read from the copy of SHALLOW[1] blocks
+        # the first batch of a later GPU count under FSDP2 tries the rules learned at another
+        shared = first and self.rules and self.shared["no_host"]
+        if self.rule or shared:  # read from the copy of SHALLOW[1] blocks
             known[self.SHALLOW[1]] = copy = self._copy(self.SHALLOW[1], batch_size)
             deep = _read_from_copy(self.rules, copy, self.depth)
-            if deep is not None:
+            if deep is not None and first and not any(copy[1][k] for k in ("host_peak_bytes", "transfer_bytes")):
+                self.rule, self.n_params = self.rules[0], self.shared["n_params"]
+                print(f"[{self.job.method} {self.job.model}] its step at batch {batch_size} is read with the rules "
+                      f"learned at another GPU count, from a copy of {self.SHALLOW[1]} blocks", file=sys.stderr,
+                      flush=True)
+                return self._first_record(batch_size, deep, {"host_peak_bytes": 0, "transfer_bytes": 0},
+                                          self.SHALLOW[1])
+            if deep is not None and not first:
                 trace, predicted = self._read(batch_size, deep)
                 memory = {"tier": "simulated", **predicted}
                 return {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
@@ -451,11 +469,20 @@ class _Deep(_Batches):
             return None
         self.rule, self.n_params = learned[0], on_line.pop("n_params")
         self.rules.insert(0, self.rule)
+        self.shared["n_params"] = self.n_params
+        self.shared["no_host"] = self.shared.get("no_host", True) and not any(
+            values[k] for _, values in learned[1].values() for k in ("host_peak_bytes", "transfer_bytes"))
+        return self._first_record(batch, labelled, on_line, _SHALLOW_TEXT)
+
+    def _first_record(self, batch: int, labelled: list, host: dict, depth) -> tuple[dict, list]:
+        """The record and trace of a batch whose full-depth trace `labelled` was read with a
+        rule (learned at it, or under FSDP2 at another GPU count): its replay, and its split by
+        category at the peak; `host`: its host memory; `depth`: the copies it was read from."""
         trace, predicted = self._read(batch, labelled)
         split, by_part = labelled_peak(labelled)
-        memory = {"tier": "simulated", **split.as_row(), **predicted, **on_line}
+        memory = {"tier": "simulated", **split.as_row(), **predicted, **host}
         record = {"status": "ok", "message": None, "n_params": self.n_params, "cost": None,
-                  "depth": _SHALLOW_TEXT, "memory": memory}
+                  "depth": depth, "memory": memory}
         if self.mesh is not None:  # what sharding adds at the peak (inside `other`)
             from bench.measure import sharded
 
@@ -469,6 +496,21 @@ class _Deep(_Batches):
 
 
 _SHALLOW_TEXT = f"{', '.join(map(str, _Deep.SHALLOW[:-1]))} and {_Deep.SHALLOW[-1]}"
+_RULES: dict = {}  # a search's job (its batch and GPU count aside) -> what `_shared_rules` keeps: the last method's
+
+
+def _shared_rules(job: Job) -> dict:
+    """What `_Deep`'s searches of one method, model and scheme keep across GPU counts: the
+    rules learned (latest first), the parameter count they were learned with, and whether no
+    copy kept host memory (`no_host`). Each search at one GPU, or of a simulated capacity
+    suite, has a list of its own (only FSDP2's counts share)."""
+    if job.sharding != "fsdp":
+        return {"rules": [], "no_host": False}
+    key = json.dumps(replace(job, batch_size=0, world_size=0).to_dict(), sort_keys=True)
+    owner = (job.method, job.model)
+    if key not in _RULES and any(was != owner for was, _ in _RULES.values()):
+        _RULES.clear()
+    return _RULES.setdefault(key, (owner, {"rules": [], "no_host": True}))[1]
 
 
 def _rule_from_copies(run, known: dict) -> tuple[trace_depth.Depth, dict] | None:

@@ -311,3 +311,21 @@ def test_zero_rows_from_the_one_gpu_searchs_copies_are_the_full_depths(monkeypat
     read = rows(8)
     assert "its step not run: on the line through its batches" in capsys.readouterr().err
     assert read == rows(9)
+
+
+def test_fsdp_rows_with_rules_learned_at_another_count_are_those_learned_at_it(monkeypatch, capsys):
+    """FSDP2 at 4 ranks after 2 (as `membench fit --gpus 2 4 --sharding fsdp` answers them):
+    its first batch read from the 4-block copy alone with the rules learned at 2 ranks gives
+    the rows that learning at 4 ranks gives, in every field."""
+    monkeypatch.setattr(capacity._Deep, "FROM_DEPTH", 8)
+    task = dict(model=DEEP, method="checkpointing", batch_size=8, seq_len=32, dtype="bfloat16", max_batch=64,
+                memory_gb=[0.3, 0.55], sharding="fsdp")
+    capacity._RULES.clear()
+    alone = fit.answer(**task, world_size=4)
+    capacity._RULES.clear()
+    fit.answer(**task, world_size=2)
+    capsys.readouterr()
+    after = fit.answer(**task, world_size=4)
+    assert "read with the rules learned at another GPU count" in capsys.readouterr().err
+    assert after == alone and alone[1]["largest_batch"] > 8
+    capacity._RULES.clear()
