@@ -389,10 +389,12 @@ class _Deep(_Batches):
         # every rule learned, the latest first (under FSDP2, at any GPU count: `_shared_rules`)
         self.shared = _shared_rules(job)
         self.rules: list[trace_depth.Depth] = self.shared["rules"]
+        # one GPU: a method ZeRO's model takes has its copies run once for both (`_copy_run`)
+        self.shares_copies = mesh is None and _takes_zero(job)
 
     def _shallow(self, depth: int, batch: int) -> tuple[dict, list]:
         job = replace(self.job, model=models.at_depth(self.job.model, depth), batch_size=batch)
-        if self.mesh is None and _takes_zero(job):  # the run ZeRO's timelines read too (`_copy_run`)
+        if self.shares_copies:  # the run ZeRO's timelines read too
             from bench.measure import zero
 
             timeline, trace, _ = _copy_run(job, self.job.model)
@@ -434,7 +436,7 @@ class _Deep(_Batches):
         if self.rule or shared:  # read from the copy of SHALLOW[1] blocks
             known[self.SHALLOW[1]] = copy = self._copy(self.SHALLOW[1], batch_size)
             deep = _read_from_copy(self.rules, copy, self.depth)
-            if deep is not None and first and not any(copy[1][k] for k in ("host_peak_bytes", "transfer_bytes")):
+            if deep is not None and first and not _keeps_host(copy[1]):
                 self.rule, self.n_params = self.rules[0], self.shared["n_params"]
                 print(f"[{self.job.method} {self.job.model}] its step at batch {batch_size} is read with the rules "
                       f"learned at another GPU count, from a copy of {self.SHALLOW[1]} blocks", file=sys.stderr,
@@ -470,8 +472,8 @@ class _Deep(_Batches):
         self.rule, self.n_params = learned[0], on_line.pop("n_params")
         self.rules.insert(0, self.rule)
         self.shared["n_params"] = self.n_params
-        self.shared["no_host"] = self.shared.get("no_host", True) and not any(
-            values[k] for _, values in learned[1].values() for k in ("host_peak_bytes", "transfer_bytes"))
+        self.shared["no_host"] = self.shared["no_host"] and not any(
+            _keeps_host(values) for _, values in learned[1].values())
         return self._first_record(batch, labelled, on_line, _SHALLOW_TEXT)
 
     def _first_record(self, batch: int, labelled: list, host: dict, depth) -> tuple[dict, list]:
@@ -496,7 +498,7 @@ class _Deep(_Batches):
 
 
 _SHALLOW_TEXT = f"{', '.join(map(str, _Deep.SHALLOW[:-1]))} and {_Deep.SHALLOW[-1]}"
-_RULES: dict = {}  # a search's job (its batch and GPU count aside) -> what `_shared_rules` keeps: the last method's
+_RULES: dict = {}  # a search's job (its batch and GPU count aside) -> what `_shared_rules` keeps (`_last_method`)
 
 
 def _shared_rules(job: Job) -> dict:
@@ -506,11 +508,23 @@ def _shared_rules(job: Job) -> dict:
     suite, has a list of its own (only FSDP2's counts share)."""
     if job.sharding != "fsdp":
         return {"rules": [], "no_host": False}
-    key = json.dumps(replace(job, batch_size=0, world_size=0).to_dict(), sort_keys=True)
-    owner = (job.method, job.model)
-    if key not in _RULES and any(was != owner for was, _ in _RULES.values()):
-        _RULES.clear()
-    return _RULES.setdefault(key, (owner, {"rules": [], "no_host": True}))[1]
+    return _last_method(_RULES, replace(job, batch_size=0, world_size=0), job.model,
+                        lambda: {"rules": [], "no_host": True})
+
+
+def _keeps_host(values: dict) -> bool:
+    """Whether a copy's run (what grows per block in it, `_Deep._copy`) kept host memory."""
+    return bool(values["host_peak_bytes"] or values["transfer_bytes"])
+
+
+def _last_method(cache: dict, job: Job, model: str, empty):
+    """`cache`'s entry for `job` (made by `empty()` if new), where the cache keeps the entries
+    of one method and model (`model`: the full-depth one) only: a new one clears it."""
+    key = json.dumps(job.to_dict(), sort_keys=True)
+    owner = (job.method, model, json.dumps(job.hparams, sort_keys=True))
+    if key not in cache and any(was != owner for was, _ in cache.values()):
+        cache.clear()
+    return cache.setdefault(key, (owner, empty()))[1]
 
 
 def _rule_from_copies(run, known: dict) -> tuple[trace_depth.Depth, dict] | None:
@@ -661,13 +675,10 @@ class _DeepTimelines:
     def _run(self, depth: int, batch: int) -> tuple[list, dict] | None:
         """A copy's labelled trace and totals at `batch`, or None if its timeline is not the
         one its trace says."""
-        from bench.measure import zero
 
         job = replace(self.job, model=models.at_depth(self.job.model, depth), batch_size=batch)
-        timeline, trace, totals = _copy_run(job, self.job.model)
-        if zero.timeline_from_labelled(trace, timeline.params, totals) != timeline:
-            return None
-        return trace, totals
+        run = _copy_run(job, self.job.model)
+        return run[1:] if _reads_back(run) else None
 
     def at(self, batch: int) -> tuple | None:
         """(The timeline at full depth, the copies it was read from, the batches of the
@@ -739,11 +750,7 @@ def _copy_run(job: Job, model: str) -> tuple:
 
 def _copy_runs(job: Job, model: str) -> dict:
     """The runs of `job`'s copy kept so far, by batch (`_copy_run`)."""
-    key = json.dumps(replace(job, batch_size=0).to_dict(), sort_keys=True)
-    owner = (job.method, model, json.dumps(job.hparams, sort_keys=True))
-    if key not in _COPIES and any(was != owner for was, _ in _COPIES.values()):
-        _COPIES.clear()
-    return _COPIES.setdefault(key, (owner, {}))[1]
+    return _last_method(_COPIES, replace(job, batch_size=0), model, dict)
 
 
 def _copy_on_line(job: Job, model: str) -> tuple[tuple, list] | None:
@@ -753,7 +760,6 @@ def _copy_on_line(job: Job, model: str) -> tuple[tuple, list] | None:
     either side, and a third run on their line byte for byte, every total on it too; each
     run's timeline the one its trace says. ((trace, totals), the batches of the line), or
     None where there is no such line."""
-    from bench.measure import zero
 
     batch, runs = job.batch_size, _copy_runs(job, model)
     below, above = [b for b in runs if b < batch], [b for b in runs if b > batch]
@@ -771,11 +777,18 @@ def _copy_on_line(job: Job, model: str) -> tuple[tuple, list] | None:
                   and all(total(name, b) == value for name, value in runs[b][2].items())), None)
     trace = line.at(batch) if third is not None else None
     totals = {name: total(name, batch) for name in runs[lo][2]}
-    if trace is None or None in totals.values() or any(
-            zero.timeline_from_labelled(runs[b][1], runs[b][0].params, runs[b][2]) != runs[b][0]
-            for b in (lo, hi, third)):
+    if trace is None or None in totals.values() or not all(_reads_back(runs[b]) for b in (lo, hi, third)):
         return None
     return (trace, totals), sorted((lo, third, hi))
+
+
+def _reads_back(run: tuple) -> bool:
+    """Whether a copy's run (`_copy_run`) keeps the timeline its labelled trace says
+    (`zero.timeline_from_labelled`): else nothing is read from it."""
+    from bench.measure import zero
+
+    timeline, trace, totals = run
+    return zero.timeline_from_labelled(trace, timeline.params, totals) == timeline
 
 
 def _takes_zero(job: Job) -> bool:

@@ -50,12 +50,15 @@ def rebuilt(shape: tuple, sizes: list[int]) -> list:
     trace never allocated is left out: the allocator model ignores it; `numbered` too)."""
     trace, n = [], 0
     for op in shape:
-        if op == _ALLOC or (isinstance(op, tuple) and op[0] == "alloc"):
-            trace.append(("alloc", n, sizes[n], *op[1:]) if isinstance(op, tuple) else ("alloc", n, sizes[n]))
-            n += 1
-        elif isinstance(op, int):
-            if op != _UNKNOWN:
+        if isinstance(op, int):  # an unlabelled allocation, or a free
+            if op == _ALLOC:
+                trace.append(("alloc", n, sizes[n]))
+                n += 1
+            elif op != _UNKNOWN:
                 trace.append(("free", op))
+        elif op[0] == "alloc":  # a labelled allocation: its category after the size
+            trace.append(("alloc", n, sizes[n], *op[1:]))
+            n += 1
         elif op[0] == "mark" or op[1] != _UNKNOWN:
             trace.append(op)
     return trace
