@@ -168,7 +168,7 @@ def guess_largest(need, known, capacity: int, most: int, probes: tuple[int, ...]
     k): the probes first, then a secant step per run, on log bytes with `log` (the model
     ladder's sizes grow geometrically). Secant steps converge in a few runs even where the
     need bends (the peak moves from the optimizer step to the backward pass as the batch
-    grows)."""
+    grows). A secant step from a batch search's anchor at 0 probes one below its guess."""
     f = math.log if log else float
     for k in probes:
         need(min(k, most))
@@ -185,6 +185,12 @@ def guess_largest(need, known, capacity: int, most: int, probes: tuple[int, ...]
         if len(line) == 2 and line[1][1] > line[0][1]:
             (k0, n0), (k1, n1) = line
             k = k0 + math.floor((f(capacity) - f(n0)) * (k1 - k0) / (f(n1) - f(n0)))
+            if k0 == 0 and n0 is not None and hi is not None:
+                # from a batch search's anchor at 0 (what a GPU keeps between steps) to its
+                # first step: the step's own peak comes at once, so the need lies above this
+                # line and k is an upper guess; one below it, if it fits, puts k between
+                # steps run (computed from the batch line, not run)
+                k -= 1
         else:
             k = 2 * lo[0] if hi is None else (lo[0] + hi[0]) // 2
         upper = most if hi is None else hi[0] - 1

@@ -25,6 +25,29 @@ def test_largest_finds_the_boundary_of_a_monotone_predicate(seed):
     assert 0 not in calls and len(calls) <= 2 * most.bit_length() + 2
 
 
+@pytest.mark.parametrize("jump, answer", [(10, 5), (4, 3), (1, 6)])
+def test_a_guess_from_the_anchor_at_zero_starts_below_the_secant(jump, answer):
+    """A batch search's need jumps at the first batch (the step's own peak over what is
+    kept between steps, the anchor at 0), then rises by a batch's bytes: the secant from
+    the anchor to the first step overshoots, so the first probe is one below it, at or
+    under the answer (the answer's neighbours then lie between steps run); the answer is
+    the largest batch whose need fits."""
+    kept, rise, first = 10, 3, 8
+
+    def need_of(k):
+        return kept + jump + rise * k
+
+    capacity_bytes = need_of(answer) + 1
+    known = {0: kept, first: need_of(first)}
+    probes = []
+
+    def need(k):
+        probes.append(k)
+        known[k] = need_of(k)
+
+    assert capacity.guess_largest(need, lambda: dict(known), capacity_bytes, 64, probes=()) == answer
+    assert probes[0] <= answer < probes[0] + 2
+
 def test_tracked_search_answers_are_confirmed_by_capped_memory_jobs(tiny_job):
     job = tiny_job(kind="capacity", method="grad_accum", batch_size=64, seq_len=32,
                    memory_gb=[0.012, 0.02])
