@@ -185,7 +185,7 @@ def guess_largest(need, known, capacity: int, most: int, probes: tuple[int, ...]
         if len(line) == 2 and line[1][1] > line[0][1]:
             (k0, n0), (k1, n1) = line
             k = k0 + math.floor((f(capacity) - f(n0)) * (k1 - k0) / (f(n1) - f(n0)))
-            if k0 == 0 and n0 is not None and hi is not None:
+            if k0 == 0 and hi is not None:
                 # from a batch search's anchor at 0 (what a GPU keeps between steps) to its
                 # first step: the step's own peak comes at once, so the need lies above this
                 # line and k is an upper guess; one below it, if it fits, puts k between
@@ -399,7 +399,7 @@ class _Deep(_Batches):
         self.shares_copies = mesh is None and _takes_zero(job)
 
     def _shallow(self, depth: int, batch: int) -> tuple[dict, list]:
-        job = replace(self.job, model=models.at_depth(self.job.model, depth), batch_size=batch)
+        job = _copy_job(self.job, depth, batch)
         if self.shares_copies:  # the run ZeRO's timelines read too
             from bench.measure import zero
 
@@ -681,9 +681,7 @@ class _DeepTimelines:
     def _run(self, depth: int, batch: int) -> tuple[list, dict] | None:
         """A copy's labelled trace and totals at `batch`, or None if its timeline is not the
         one its trace says."""
-
-        job = replace(self.job, model=models.at_depth(self.job.model, depth), batch_size=batch)
-        run = _copy_run(job, self.job.model)
+        run = _copy_run(_copy_job(self.job, depth, batch), self.job.model)
         return run[1:] if _reads_back(run) else None
 
     def at(self, batch: int) -> tuple | None:
@@ -703,8 +701,7 @@ class _DeepTimelines:
 
         known, first = {}, self.rule is None
         if self.rule:  # read from the copy of SHALLOW[1] blocks
-            job = replace(self.job, model=models.at_depth(self.job.model, _Deep.SHALLOW[1]), batch_size=batch)
-            copy, line = _copy_on_line(job, self.job.model) or (None, None)
+            copy, line = _copy_on_line(_copy_job(self.job, _Deep.SHALLOW[1], batch), self.job.model) or (None, None)
             if copy is None:
                 copy = self._run(_Deep.SHALLOW[1], batch)
             known[_Deep.SHALLOW[1]] = copy
@@ -738,6 +735,11 @@ class _DeepTimelines:
 
 
 _COPIES: dict = {}  # a shallow copy's job (its batch aside) -> {batch: its `_copy_run`}: the last method's only
+
+
+def _copy_job(job: Job, depth: int, batch: int) -> Job:
+    """`job` on the shallow copy of its model with `depth` blocks, at `batch`."""
+    return replace(job, model=models.at_depth(job.model, depth), batch_size=batch)
 
 
 def _copy_run(job: Job, model: str) -> tuple:
